@@ -1,0 +1,3 @@
+from selfdistill.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""In-process generation with Hugging Face `generate` (KV cache, batched, left padding)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt.
+
+    `token_ids` are the generated tokens (no padding), ending with EOS when `finished`;
+    `logprobs[i]` is log pi(token_ids[i] | prompt, token_ids[:i]) under the sampler's raw
+    (temperature 1, unfiltered) distribution, in nats.
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finished: bool
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int = 64,
+    n: int = 1,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    batch_size: int = 16,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[list[Completion]]:
+    """Sample `n` completions for each prompt (token ids, already chat-templated).
+
+    Returns a list with one entry per prompt, each a list of `n` completions. Generation stops
+    per row at EOS (the row is then padded); `greedy=True` ignores temperature and top_p.
+    Batches hold up to `batch_size` rows (prompt copies for n > 1 share a batch).
+    `on_batch(rows_done)` is called after each batch, e.g. to advance a progress bar.
+    """
+    was_training = model.training
+    model.eval()
+    eos_ids = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id
+    flat = [p for p in prompts for _ in range(n)]
+    out: list[Completion] = []
+    for start in range(0, len(flat), batch_size):
+        chunk = flat[start:start + batch_size]
+        ids, mask = _left_pad(chunk, pad_id)
+        kwargs: dict[str, Any] = {"do_sample": False} if greedy else {
+            "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        res = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+            pad_token_id=pad_id, eos_token_id=eos_ids, return_dict_in_generate=True,
+            output_logits=True, **kwargs,
+        )
+        new = res.sequences[:, ids.shape[1]:]  # (b, steps)
+        logits = torch.stack(res.logits, dim=1).float()  # (b, steps, V), raw (unprocessed)
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        for row, prompt in enumerate(chunk):
+            toks, lps, finished = [], [], False
+            for t in range(new.shape[1]):
+                tok = int(new[row, t])
+                toks.append(tok)
+                lps.append(float(lp[row, t]))
+                if tok in eos_ids:
+                    finished = True
+                    break
+            text = tokenizer.decode(toks, skip_special_tokens=True)
+            out.append(Completion(list(prompt), toks, lps, text, finished))
+        if on_batch is not None:
+            on_batch(len(chunk))
+    model.train(was_training)
+    return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    cfg_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(cfg_eos, int):
+        ids.add(cfg_eos)
+    elif isinstance(cfg_eos, list):
+        ids.update(cfg_eos)
+    return sorted(i for i in ids if i is not None)

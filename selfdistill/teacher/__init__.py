@@ -1,0 +1,53 @@
+"""Who the teacher is: its context (templates), its weights (regimes), and how it scores tokens."""
+
+from selfdistill.teacher.contexts import (
+    FEEDBACK_ALIASES,
+    KINDS,
+    ContextTemplates,
+    PrivilegedContext,
+    TeacherPrompt,
+    build_teacher_messages,
+    truncate_text,
+)
+from selfdistill.teacher.regimes import (
+    REGIMES,
+    BaseRegime,
+    EmaRegime,
+    LiveRegime,
+    TeacherRegime,
+    TrustRegionRegime,
+    make_regime,
+    model_logits,
+    teacher_mode,
+)
+from selfdistill.teacher.scoring import (
+    PackedBatch,
+    ScoredBatch,
+    build_batch,
+    completion_logits,
+    score_completions,
+)
+
+__all__ = [
+    "FEEDBACK_ALIASES",
+    "KINDS",
+    "REGIMES",
+    "BaseRegime",
+    "ContextTemplates",
+    "EmaRegime",
+    "LiveRegime",
+    "PackedBatch",
+    "PrivilegedContext",
+    "ScoredBatch",
+    "TeacherPrompt",
+    "TeacherRegime",
+    "TrustRegionRegime",
+    "build_batch",
+    "build_teacher_messages",
+    "completion_logits",
+    "make_regime",
+    "model_logits",
+    "score_completions",
+    "teacher_mode",
+    "truncate_text",
+]

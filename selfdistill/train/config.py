@@ -1,0 +1,232 @@
+"""The one typed config of a training job: YAML file + `key=value` overrides.
+
+Every field is documented once, here, in its `description` (units; what 0 / None means).
+`selfdistill train --help-config` prints them. Unknown keys, wrong types and unknown choices
+fail before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from selfdistill.errors import ConfigError
+
+Method = Literal["sdft", "sdpo", "grpo", "sft", "cpt"]
+Regime = Literal["base", "live", "ema", "trust_region"]
+Estimator = Literal["full", "topk", "sampled"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Section):
+    enabled: bool = Field(True, description="train a LoRA adapter; false = full fine-tuning")
+    rank: int = Field(16, gt=0, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="module names to adapt; 'all-linear' = every linear layer "
+        "except the output head")
+
+
+class TeacherConfig(_Section):
+    regime: Regime = Field("base", description="teacher weights: base (frozen initial weights, "
+                           "adapter disabled), live (current student), ema, trust_region")
+    rate: float = Field(0.05, ge=0, le=1, description="EMA rate r (teacher ← (1−r)·teacher + "
+                        "r·student per step) or trust-region mix r (logits = lerp(base, live, r))")
+    max_context_tokens: int | None = Field(
+        None, gt=0, description="cap on privileged-context tokens; None = no cap")
+    truncate: Literal["left", "right"] = Field(
+        "right", description="which end of an over-long context is cut")
+
+
+class LossConfig(_Section):
+    estimator: Estimator = Field("full", description="full vocabulary, topk (student's top-k "
+                                 "plus a tail bucket) or sampled (sampled token only; reverse KL)")
+    alpha: float = Field(0.5, ge=0, le=1, description="0 = forward KL(teacher‖student), "
+                         "1 = reverse KL(student‖teacher), between = generalized JSD")
+    topk: int = Field(100, gt=0, description="k for estimator=topk")
+    add_tail: bool = Field(True, description="topk: add one bucket with the remaining mass")
+    chunk_size: int | None = Field(None, gt=0, description="rows (tokens) per chunk for the "
+                                   "memory-lean divergence; None = plain autograd")
+    distillation_weight: float = Field(1.0, ge=0, le=1, description="sdpo: 1 = pure "
+                                       "distillation, 0 = pure GRPO, between = mix")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range of the GRPO term")
+    importance_clip: float = Field(2.0, gt=0, description="upper clamp of the importance "
+                                   "ratio when updates_per_batch > 1")
+
+
+class SdpoConfig(_Section):
+    success_threshold: float = Field(1.0, description="reward at or above which an attempt "
+                                     "is a success (its text may teach its siblings)")
+    sibling_solutions: bool = Field(True, description="a successful sibling becomes the "
+                                    "teacher's `solution` context for failed siblings")
+    include_self: bool = Field(False, description="a successful attempt may be its own "
+                               "solution context (off as in the SDPO reference)")
+    feedback_for_successes: bool = Field(False, description="also distill successful attempts "
+                                         "under their own (positive) feedback")
+    reveal_answer: bool = Field(True, description="QA feedback names the expected answer")
+
+
+class EvalConfig(_Section):
+    every_steps: int = Field(0, ge=0, description="evaluate the task sets every N steps "
+                             "(0 = only before and after training)")
+    max_new_tokens: int = Field(64, gt=0, description="greedy answer budget (tokens)")
+    batch_size: int = Field(16, gt=0, description="prompts per generation batch")
+    oracle: bool = Field(True, description="also evaluate the teacher's ceiling: the base "
+                         "model with the privileged context in its prompt")
+
+
+class GateConfig(_Section):
+    task: str = Field("train", description="name of the eval set that must improve")
+    min_improvement: float = Field(0.0, description="required accuracy gain on `task` "
+                                   "(strictly greater than this, absolute fraction)")
+    probe_tolerance: int = Field(1, ge=0, description="forgetting probes that may be lost")
+
+
+class TrainConfig(_Section):
+    # -- common knobs --------------------------------------------------------------------
+    model: str | None = Field(None, description="HF model directory or hub id; None = the "
+                              "embedded SmolLM2-135M-Instruct")
+    method: Method = Field("sdft", description="sdft | sdpo | grpo | sft | cpt")
+    train_data: str = Field(..., description="training JSONL (columns depend on method)")
+    eval_data: dict[str, str] = Field(default_factory=dict, description="named evaluation "
+                                      "JSONL files; 'train' = the training questions")
+    probe_data: str | None = Field("builtin", description="forgetting probes JSONL; "
+                                   "'builtin' = the packaged general-knowledge probes, "
+                                   "None = no probes")
+    output_dir: str = Field("runs/latest", description="run directory (metrics, adapter, "
+                            "checkpoints, report)")
+    seed: int = Field(0, description="seed for data order, sampling and initialization")
+    steps: int = Field(40, ge=0, description="optimizer steps")
+    batch_size: int = Field(8, gt=0, description="prompts per step")
+    num_generations: int = Field(1, gt=0, description="completions per prompt (group size)")
+    max_new_tokens: int = Field(48, gt=0, description="rollout budget (tokens)")
+    temperature: float = Field(1.0, gt=0, description="rollout sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="rollout nucleus mass")
+    learning_rate: float = Field(5e-4, gt=0, description="peak learning rate (AdamW)")
+    # -- advanced ------------------------------------------------------------------------
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="after warm-up")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="gradient clip; None = off")
+    updates_per_batch: int = Field(1, gt=0, description="optimizer steps per rollout batch "
+                                   "(>1 uses importance-ratio clipping)")
+    threads: int | None = Field(None, gt=0, description="torch CPU threads; None = all cores")
+    checkpoint_every: int = Field(10, ge=0, description="checkpoint every N steps (0 = only "
+                                  "at the end); `traces replay` needs the checkpoint before a step")
+    trace_store: str | None = Field("run", description="where attempts, feedback, teacher "
+                                    "contexts and steps are recorded: 'run' = SQLite file "
+                                    "OUTPUT_DIR/traces.db, an SQLAlchemy URL, or None = off")
+    scope: str = Field("global", description="whose adapter this is: global, "
+                       "workspace:<id> or user:<id> (recorded with the run)")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    sdpo: SdpoConfig = Field(default_factory=SdpoConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.loss.estimator == "sampled" and self.loss.alpha != 1.0:
+            raise ValueError("loss.estimator=sampled estimates reverse KL only: set loss.alpha=1")
+        if self.method in ("sdpo", "grpo") and self.num_generations < 2:
+            raise ValueError(f"method={self.method} compares attempts within a group: "
+                             "set num_generations >= 2")
+        return self
+
+
+# Columns each method needs in every training row, checked before any model is loaded.
+REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
+    "sdft": ("prompt", "privileged_context"),
+    "sft": ("prompt", "privileged_context"),
+    "cpt": ("privileged_context",),
+    "sdpo": ("prompt",),  # plus a grader: `answer` or `tests` (checked by the loader)
+    "grpo": ("prompt",),
+}
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a YAML config and apply `key=value` / `section.key=value` overrides.
+
+    Values are parsed as YAML (so `steps=10` is an int, `model=null` is None). Relative data
+    paths in the file are resolved against the file's directory.
+    """
+    tree: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such config file")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
+        base = path.parent
+        _resolve_paths(tree, base)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. steps=10)")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw else ""
+        _set_dotted(tree, key.strip(), value)
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, path)) from None
+
+
+def _resolve_paths(tree: dict[str, Any], base: Path) -> None:
+    def fix(p: Any) -> Any:
+        if isinstance(p, str) and p not in ("builtin",) and not Path(p).is_absolute():
+            return str((base / p).resolve()) if (base / p).exists() else p
+        return p
+
+    for key in ("train_data", "probe_data"):
+        if key in tree:
+            tree[key] = fix(tree[key])
+    if isinstance(tree.get("eval_data"), dict):
+        tree["eval_data"] = {k: fix(v) for k, v in tree["eval_data"].items()}
+
+
+def _format_validation(exc: ValidationError, path: Path | None) -> str:
+    where = f"{path}: " if path else ""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "config"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (see `selfdistill train --help-config`)"
+        lines.append(f"{loc}: {msg}")
+    return where + "invalid config: " + "; ".join(lines)
+
+
+def describe_fields(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[str]:
+    """One line per config field: dotted name, default, description."""
+    out = []
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.extend(describe_fields(ann, f"{prefix}{name}."))
+            continue
+        default = "required" if f.is_required() else repr(f.get_default(call_default_factory=True))
+        out.append(f"{prefix}{name} = {default}  — {f.description or ''}")
+    return out

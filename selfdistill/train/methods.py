@@ -1,0 +1,161 @@
+"""What each method trains toward: its samples' targets and its loss. One loop runs them all.
+
+- `sdft` (Shenfeld et al., "Self-Distillation Enables Continual Learning", arXiv 2601.19897):
+  the teacher is the model with a demonstration (`privileged_context`) in its prompt.
+- `sdpo` (Hübotter et al., "Reinforcement Learning via Self-Distillation", arXiv 2601.20802):
+  `n` rollouts per prompt are graded; the teacher sees the grader's feedback and, for failed
+  attempts, a successful sibling as `solution`. Mixed with a GRPO term by `distillation_weight`.
+  Departure: attempts without usable context get no distillation loss (as in the reference)
+  but still take part in the GRPO term when it is on.
+- `grpo`: scalar reward only, group-normalized advantages, PPO-clip surrogate.
+- `sft`: cross-entropy on the demonstration text as the answer.
+- `cpt`: next-token loss on the privileged text itself (continued pre-training, no chat template).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from selfdistill.data import Row
+from selfdistill.losses import (
+    group_advantages,
+    importance_weights,
+    masked_mean,
+    per_token_divergence,
+    policy_gradient_objective,
+    sampled_token_objective,
+    token_logprobs,
+)
+from selfdistill.teacher import PrivilegedContext
+
+ROLLOUT_METHODS = ("sdft", "sdpo", "grpo")
+
+
+@dataclass
+class Sample:
+    """One attempt (or target) in a training batch and everything the loss needs about it."""
+
+    row_index: int  # index into the training rows (stable across resume)
+    row: Row
+    group: int  # which prompt of the batch it belongs to (SDPO / GRPO group)
+    prompt: list[int]  # student prompt ids (chat-templated)
+    completion: list[int]  # tokens that are scored: the rollout, or the SFT/CPT target
+    text: str = ""
+    reward: float | None = None
+    feedback: Any = None  # selfdistill.envs Feedback, when graded
+    contexts: list[PrivilegedContext] = field(default_factory=list)  # empty = no usable context
+    teacher_prompt: list[int] | None = None
+    teacher_messages: list[dict[str, str]] | None = None  # the teacher prompt as built
+    truncated_tokens: int = 0
+    old_logprobs: Tensor | None = None  # (T,) per-token log-probs at the first update
+    token_logratio: list[float] | None = None  # log p_T − log p_S per completion token (nats)
+
+
+def sdft_contexts(row: Row) -> list[PrivilegedContext]:
+    return [PrivilegedContext("demonstration", row.privileged_context)]
+
+
+def sdpo_contexts(group: list[Sample], *, success_threshold: float, sibling_solutions: bool,
+                  include_self: bool, feedback_for_successes: bool) -> None:
+    """Attach teacher contexts to one group of graded attempts, in place.
+
+    A failed attempt gets its feedback text (kind from the grader) and, when some sibling
+    succeeded, that sibling's text as `solution` first. A successful attempt gets context only
+    when `include_self` (itself as solution) or `feedback_for_successes` is set.
+    """
+    wins = [s for s in group if s.reward is not None and s.reward >= success_threshold]
+    for s in group:
+        ctx: list[PrivilegedContext] = []
+        success = s in wins
+        others = [w for w in wins if w is not s or include_self]
+        if sibling_solutions and others and (not success or include_self):
+            ctx.append(PrivilegedContext("solution", others[0].text))
+        if s.feedback is not None and s.feedback.text and (not success or feedback_for_successes):
+            ctx.append(PrivilegedContext("feedback", s.feedback.text))
+        s.contexts = ctx
+
+
+@dataclass
+class LossInputs:
+    """Logits and masks of one update, computed by the loop (which times the phases)."""
+
+    student_logits: Tensor  # (B, T, V), with gradient
+    completion_ids: Tensor  # (B, T)
+    mask: Tensor  # (B, T) bool
+    teacher_logits: Tensor | None  # (B_ctx, T, V) for the rows in `ctx_rows`, no gradient
+    ctx_rows: Tensor  # (B_ctx,) long: which rows of the batch have teacher context
+
+
+def method_loss(method: str, samples: list[Sample], x: LossInputs, loss_cfg: Any,
+                *, update: int, group_size: int) -> tuple[Tensor, dict[str, float]]:
+    """The scalar loss of one update and its metrics (per-token means over the mask)."""
+    logp = token_logprobs(x.student_logits, x.completion_ids)  # (B, T)
+    if update == 0:
+        for i, s in enumerate(samples):
+            s.old_logprobs = logp[i].detach().clone()
+    old = torch.stack([s.old_logprobs for s in samples])  # (B, T)
+    mask = x.mask
+    metrics: dict[str, float] = {}
+    if method in ("sft", "cpt"):
+        nll = masked_mean(-logp, mask)
+        return nll, {"nll": nll.item()}
+
+    terms: list[Tensor] = []
+    if method in ("sdft", "sdpo"):
+        weight = loss_cfg.distillation_weight if method == "sdpo" else 1.0
+        distill, m, adv = _distillation(logp, old, x, loss_cfg, update)
+        metrics.update(m)
+        if update == 0 and adv is not None:  # token-level credit, kept for the trace store
+            for j, row in enumerate(x.ctx_rows.tolist()):
+                samples[row].token_logratio = adv[j][mask[row]].tolist()
+        if weight > 0:
+            terms.append(weight * distill)
+    else:
+        weight = 0.0
+    if method == "grpo" or (method == "sdpo" and weight < 1):
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        adv = group_advantages(rewards, group_size)
+        pg = masked_mean(policy_gradient_objective(logp, old, adv, clip_eps=loss_cfg.clip_eps),
+                         mask)
+        metrics["pg_loss"] = pg.item()
+        terms.append((1.0 - weight) * pg)
+    loss = torch.stack(terms).sum() if terms else logp.sum() * 0.0
+    return loss, metrics
+
+
+def _distillation(logp: Tensor, old: Tensor, x: LossInputs, cfg: Any,
+                  update: int) -> tuple[Tensor, dict[str, float], Tensor | None]:
+    """Token-mean divergence over rows with teacher context (importance-corrected after the first
+    update); rows without context contribute nothing. Also returns the per-token log-ratio
+    log p_T − log p_S of the context rows, (B_ctx, T), detached."""
+    if x.teacher_logits is None or x.ctx_rows.numel() == 0:
+        return logp.sum() * 0.0, {"distill_loss": 0.0}, None
+    rows = x.ctx_rows
+    s_logits, mask = x.student_logits[rows], x.mask[rows]
+    if cfg.estimator == "sampled":
+        t_logp = token_logprobs(x.teacher_logits, x.completion_ids[rows])
+        per_tok = sampled_token_objective(logp[rows], t_logp)
+        advantage = (t_logp - logp[rows]).detach()
+    else:
+        topk = cfg.topk if cfg.estimator == "topk" else None
+        per_tok = per_token_divergence(s_logits, x.teacher_logits, alpha=cfg.alpha, topk=topk,
+                                       add_tail=cfg.add_tail, chunk_size=cfg.chunk_size)
+        t_logp = token_logprobs(x.teacher_logits, x.completion_ids[rows])
+        advantage = (t_logp - logp[rows]).detach()
+    if update > 0:
+        per_tok = per_tok * importance_weights(logp[rows], old[rows], cfg.importance_clip)
+    loss = masked_mean(per_tok, mask)
+    with torch.no_grad():
+        div = masked_mean(per_tok.detach(), mask)
+        adv = advantage[mask]
+    return loss, {
+        "distill_loss": float(div),
+        # Token-level credit: the per-token log-ratio log p_T − log p_S on the sampled tokens.
+        "advantage_mean": float(adv.mean()) if adv.numel() else 0.0,
+        "advantage_min": float(adv.min()) if adv.numel() else 0.0,
+        "advantage_max": float(adv.max()) if adv.numel() else 0.0,
+    }, advantage

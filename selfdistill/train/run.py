@@ -1,0 +1,201 @@
+"""A training job end to end: validate → evaluate before → train (checkpoint / resume) →
+save the adapter → evaluate after → gate verdict → report and plot."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from selfdistill.data import Row, load_rows
+from selfdistill.errors import DataError, UserError
+from selfdistill.evals import evaluate
+from selfdistill.evals.code import evaluate_code, has_tests
+from selfdistill.evals.gate import decide
+from selfdistill.evals.report import plot_run, write_report
+from selfdistill.teacher import PrivilegedContext, build_teacher_messages
+from selfdistill.train.checkpoint import (
+    latest_checkpoint,
+    load_state,
+    load_weights_into,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from selfdistill.train.config import REQUIRED_COLUMNS, TrainConfig
+from selfdistill.train.loop import build_model, make_step_context, train_step
+from selfdistill.train.metrics import MetricsLogger
+
+BUILTIN_PROBES = Path(__file__).resolve().parent.parent / "data" / "probes.jsonl"
+
+
+def load_datasets(cfg: TrainConfig) -> tuple[list[Row], dict[str, list[Row]]]:
+    """Training rows and evaluation suites, validated before any model is loaded.
+
+    Suites: "train" (the training rows that carry an `answer`, or `tests`: code problems,
+    scored by their tests), each `eval_data` entry, and "probes" (forgetting probes) unless
+    `probe_data` is None.
+    """
+    rows = load_rows(cfg.train_data, require=REQUIRED_COLUMNS[cfg.method],
+                     purpose=f"{cfg.method} training")
+    if cfg.method in ("sdpo", "grpo"):
+        for r in rows:
+            if not r.answers and "tests" not in r.extra:
+                raise DataError(r.source, None, f"method={cfg.method} needs a grader in every "
+                                "row: an 'answer' (QA) or 'tests' (code)")
+    suites: dict[str, list[Row]] = {}
+    answered = [r for r in rows if r.answers or has_tests(r)]
+    if answered:
+        suites["train"] = answered
+    for name, path in cfg.eval_data.items():
+        suites[name] = load_rows(path, require=("prompt", "answer"), purpose="evaluation")
+    if cfg.probe_data is not None:
+        path = BUILTIN_PROBES if cfg.probe_data == "builtin" else cfg.probe_data
+        suites["probes"] = load_rows(path, require=("prompt", "answer"), purpose="probe")
+    if cfg.gate.task not in suites:
+        raise UserError(f"gate.task={cfg.gate.task!r} is not an evaluation suite; "
+                        f"suites: {sorted(suites)} (add it under eval_data)")
+    return rows, suites
+
+
+def _oracle_messages(row: Row) -> list[dict[str, str]]:
+    ctx = [PrivilegedContext("demonstration", row.privileged_context)]
+    return build_teacher_messages(row.messages, ctx).messages
+
+
+def run_suites(model: Any, tok: Any, suites: dict[str, list[Row]], cfg: TrainConfig, *,
+               progress: bool, oracle: bool = False) -> dict[str, dict[str, Any]]:
+    """Strict accuracy per suite (rows with `tests`: the code passes them all). `oracle=True`:
+    only suites whose rows carry privileged context, with that context in the prompt (the
+    teacher's ceiling)."""
+    out = {}
+    for name, rows in suites.items():
+        if oracle and not all(r.privileged_context for r in rows):
+            continue
+        score = evaluate_code if any(has_tests(r) for r in rows) else evaluate
+        rep = score(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens,
+                    batch_size=cfg.eval.batch_size, progress=progress,
+                    messages_fn=_oracle_messages if oracle else None,
+                    desc=f"{'oracle ' if oracle else ''}{name}")
+        out[name] = {"accuracy": rep.accuracy, "correct": rep.correct, "n": rep.n,
+                     "items": [{"prompt": i.prompt[-1]["content"], "completion": i.completion,
+                                "correct": i.correct} for i in rep.items]}
+    return out
+
+
+def _strip(evals: dict[str, dict]) -> dict[str, dict]:
+    return {k: {kk: vv for kk, vv in v.items() if kk != "items"} for k, v in evals.items()}
+
+
+def run_training(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
+    """Run (or resume) the job described by `cfg`; returns the summary also written to
+    `OUTPUT_DIR/summary.json`."""
+    t_total = time.perf_counter()
+    rows, suites = load_datasets(cfg)
+    run_dir = Path(cfg.output_dir)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if not resume and (run_dir / "checkpoints" / "index.jsonl").exists():
+        raise UserError(f"{run_dir} already holds a run: resume it with "
+                        f"`selfdistill train --resume {run_dir}` or set output_dir=...")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_yaml = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    (run_dir / "config.yaml").write_text(config_yaml)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+    model, tok, model_path = build_model(cfg, progress=progress)
+    ctx = make_step_context(cfg, model, tok, rows)
+    try:
+        return _train_and_evaluate(cfg, ctx, run_dir, ckpt, suites, config_yaml, model_path,
+                                   t_total, progress)
+    finally:
+        if ctx.recorder is not None:
+            ctx.recorder.close()
+
+
+def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | None,
+                        suites: dict[str, list[Row]], config_yaml: str, model_path: str,
+                        t_total: float, progress: bool) -> dict:
+    model, tok = ctx.model, ctx.tokenizer
+    logger = MetricsLogger(run_dir)
+    eval_log = MetricsLogger(run_dir, name="evals.jsonl")
+    start = 0
+    if ckpt is not None:
+        state = load_state(ckpt)
+        load_weights_into(model, ckpt / "weights")
+        ctx.optimizer.load_state_dict(state["optimizer"])
+        ctx.scheduler.load_state_dict(state["scheduler"])
+        ctx.regime.load_state_dict(state["regime"])
+        set_rng_state(state["rng"])
+        start = state["step"]
+        logger.truncate_after(start)
+        eval_log.truncate_after(start)
+        before, oracle = state["before"], state["oracle"]
+        if cfg.trace_store is not None:
+            from selfdistill.train.traces import open_recorder
+
+            ctx.recorder = open_recorder(cfg, run_dir, resume_step=start)
+    else:
+        logger.path.unlink(missing_ok=True)
+        eval_log.path.unlink(missing_ok=True)
+        before = run_suites(model, tok, suites, cfg, progress=progress)
+        oracle = run_suites(model, tok, suites, cfg, progress=progress,
+                            oracle=True) if cfg.eval.oracle else {}
+        eval_log.log({"suites": _strip(before)}, 0)
+        if cfg.trace_store is not None:
+            from selfdistill.train.traces import open_recorder
+
+            ctx.recorder = open_recorder(cfg, run_dir, resume_step=None)
+
+    def checkpoint(step: int) -> None:
+        path = save_checkpoint(run_dir, step, model, {
+            "optimizer": ctx.optimizer.state_dict(), "scheduler": ctx.scheduler.state_dict(),
+            "regime": ctx.regime.state_dict(), "rng": rng_state(),
+            "before": before, "oracle": oracle})
+        if ctx.recorder is not None:
+            ctx.recorder.on_checkpoint(step, path)
+
+    t_train = time.perf_counter()
+    bar = tqdm(range(start, cfg.steps), desc=f"train {cfg.method}", disable=not progress,
+               initial=start, total=cfg.steps)
+    for step in bar:
+        metrics = train_step(cfg, ctx, step)
+        logger.log(metrics, step + 1)
+        bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
+                        acc=f"{metrics.get('rollout_accuracy', float('nan')):.2f}")
+        done = step + 1
+        if cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and done < cfg.steps:
+            task = {k: v for k, v in suites.items() if k != "probes"}
+            eval_log.log({"suites": _strip(run_suites(model, tok, task, cfg, progress=False))},
+                         done)
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            checkpoint(done)
+    bar.close()
+    train_seconds = time.perf_counter() - t_train
+    if start < cfg.steps or ckpt is None:
+        checkpoint(cfg.steps)
+    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
+
+    after = run_suites(model, tok, suites, cfg, progress=progress)
+    eval_log.log({"suites": _strip(after)}, cfg.steps)
+    verdict = decide(_strip(before), _strip(after), task=cfg.gate.task,
+                     min_improvement=cfg.gate.min_improvement,
+                     probe_tolerance=cfg.gate.probe_tolerance)
+    summary = {
+        "model": cfg.model or "SmolLM2-135M-Instruct (embedded default)",
+        "model_path": model_path, "steps": cfg.steps, "config": cfg.model_dump(mode="json"),
+        "config_yaml": config_yaml, "before": _strip(before), "after": _strip(after),
+        "oracle": _strip(oracle), "gate": verdict.to_dict(), "adapter": str(run_dir / "adapter"),
+        "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_total,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "eval_after.json").write_text(json.dumps(after, indent=2, ensure_ascii=False))
+    metrics = logger.read()
+    write_report(run_dir, summary, metrics)
+    plot_run(run_dir, metrics, eval_log.read())
+    return summary

@@ -1,0 +1,209 @@
+"""The training loop on a tiny random model: every method, masks, no-context samples, resume
+after SIGKILL, config validation. (The real default model: tests/test_train_slow.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from selfdistill.errors import ConfigError, DataError
+from selfdistill.train import load_config, run_training
+from selfdistill.train.loop import batch_indices
+from tests.conftest import make_tiny_model
+
+KNOWLEDGE = Path(__file__).resolve().parent.parent / "examples" / "knowledge"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tokenizer):
+    d = tmp_path_factory.mktemp("tiny_model")
+    make_tiny_model(hidden=32, layers=2).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def qa_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qa")
+    p = d / "qa.jsonl"
+    # An answer no tiny random model produces: every attempt fails and gets feedback.
+    rows = [{"prompt": f"Say the word number {i}.", "answer": ["Zyqxwv"],
+             "privileged_context": "Answer: Zyqxwv."} for i in range(4)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(p)
+
+
+def tiny_cfg(tiny_dir, out, **over):
+    base = [f"model={tiny_dir}", f"train_data={KNOWLEDGE / 'train.jsonl'}", f"output_dir={out}",
+            "steps=2", "batch_size=2", "max_new_tokens=6", "eval.max_new_tokens=4",
+            "eval.oracle=false", "probe_data=null", "checkpoint_every=0", "threads=1"]
+    return load_config(None, base + [f"{k}={v}" for k, v in over.items()])
+
+
+def adapter_weights(run_dir):
+    return load_file(str(Path(run_dir) / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("sdft", {}),
+    ("sft", {}),
+    ("cpt", {}),
+    ("sdpo", {"num_generations": 2, "train_data": "{qa}"}),
+    ("grpo", {"num_generations": 2, "train_data": "{qa}"}),
+    ("sdft", {"loss.estimator": "topk", "loss.topk": 5, "teacher.regime": "ema"}),
+    ("sdft", {"loss.estimator": "sampled", "loss.alpha": 1, "teacher.regime": "trust_region"}),
+])
+def test_one_step_of_each_method_changes_only_the_adapter(tiny_dir, qa_file, tmp_path,
+                                                          monkeypatch, method, extra):
+    extra = {k: (v.replace("{qa}", qa_file) if isinstance(v, str) else v)
+             for k, v in extra.items()}
+    cfg = tiny_cfg(tiny_dir, tmp_path / "run", method=method, steps=1, **extra)
+    if method == "grpo":  # a group needs different rewards for a non-zero advantage
+        import selfdistill.envs as envs
+        from selfdistill.envs.base import Feedback
+
+        calls = iter(range(1000))
+
+        class Alternating:
+            def step(self, text):
+                r = float(next(calls) % 2)
+                return Feedback(reward=r, text="", kind="ground_truth", passed=bool(r),
+                                evidence={})
+
+        monkeypatch.setattr(envs, "make_env", lambda row, **kw: Alternating())
+    summary = run_training(cfg, progress=False)
+    weights = adapter_weights(tmp_path / "run")
+    lora_b = [v for k, v in weights.items() if "lora_B" in k]
+    assert lora_b, "no LoRA weights saved"
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    if metrics[0]["skipped_update"]:
+        pytest.fail(f"{method}: the step had no training signal: {metrics[0]}")
+    # PEFT initializes B to zero: any non-zero B means the optimizer updated the adapter.
+    assert any(b.abs().sum() > 0 for b in lora_b)
+    # Base weights were frozen: the base model file is untouched and the adapter holds only LoRA.
+    assert all("lora_" in k for k in weights)
+    assert summary["gate"]["checks"][0]["name"] == "task:train"
+    for name in ("report.md", "plot.png", "summary.json", "config.yaml"):
+        assert (tmp_path / "run" / name).is_file()
+
+
+def test_batch_indices_cover_each_epoch_once():
+    seen = [i for s in range(4) for i in batch_indices(s, 16, 4, seed=3)]
+    assert sorted(seen) == list(range(16))
+    assert batch_indices(5, 16, 4, seed=3) == batch_indices(5, 16, 4, seed=3)
+    assert batch_indices(0, 16, 4, seed=3) != batch_indices(0, 16, 4, seed=4)
+
+
+def test_no_context_samples_get_no_distillation_loss():
+    from selfdistill.train.config import LossConfig
+    from selfdistill.train.methods import LossInputs, Sample, method_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 11, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 3))
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    samples = [Sample(i, None, 0, [1], ids[i].tolist()) for i in range(2)]
+    x = LossInputs(logits, ids, mask, None, torch.zeros(0, dtype=torch.long))
+    loss, metrics = method_loss("sdft", samples, x, LossConfig(), update=0, group_size=1)
+    loss.backward()
+    assert loss.item() == 0.0 and metrics["distill_loss"] == 0.0
+    assert torch.count_nonzero(logits.grad) == 0
+    # Only the row with context contributes: its loss equals the loss of that row alone.
+    teacher = torch.randn(1, 3, 11)
+    x1 = LossInputs(logits, ids, mask, teacher, torch.tensor([1]))
+    loss1, _ = method_loss("sdft", samples, x1, LossConfig(alpha=0.0), update=0, group_size=1)
+    from selfdistill.losses import per_token_divergence
+
+    ref = per_token_divergence(logits[1:], teacher, alpha=0.0).mean()
+    assert torch.allclose(loss1, ref)
+
+
+def test_prompt_and_padding_are_masked(tokenizer):
+    from selfdistill.teacher import build_batch
+
+    b = build_batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], tokenizer.pad_token_id)
+    assert b.completion_mask.tolist() == [[True, True, False], [True, True, True]]
+    assert b.completion_ids[0, :2].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["learning_rat=0.1"], "learning_rat: unknown key"),
+    (["steps=many"], "steps: Input should be a valid integer"),
+    (["method=dpo"], "method: Input should be"),
+    (["teacher.regime=frozen"], "teacher.regime"),
+    (["loss.estimator=exact"], "loss.estimator"),
+    (["loss.estimator=sampled", "loss.alpha=0.5"], "reverse KL only"),
+    (["method=grpo"], "num_generations >= 2"),
+    (["nonsense"], "expected key=value"),
+])
+def test_bad_config_fails_before_loading(overrides, needle, tmp_path):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        load_config(None, [f"train_data={KNOWLEDGE / 'train.jsonl'}", *overrides])
+
+
+def test_missing_column_for_method_fails_before_model(tmp_path, monkeypatch):
+    import selfdistill.train.loop as loop
+
+    def boom(*a, **k):
+        raise AssertionError("model loaded before data validation")
+
+    monkeypatch.setattr(loop, "build_model", boom)
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "answer": "a"}) + "\n")
+    cfg = load_config(None, [f"train_data={data}", "method=sdft", f"output_dir={tmp_path}/r"])
+    with pytest.raises(DataError, match="missing 'privileged_context'"):
+        run_training(cfg, progress=False)
+
+
+def _train_cmd(tiny_dir, out, *extra):
+    return [sys.executable, "-m", "selfdistill", "--quiet", "train",
+            str(KNOWLEDGE.parent / "knowledge.yaml"), f"model={tiny_dir}", f"output_dir={out}",
+            "steps=6", "batch_size=2", "max_new_tokens=6", "eval.max_new_tokens=4",
+            "eval.every_steps=0", "eval.oracle=false", "probe_data=null", "checkpoint_every=2",
+            "threads=1", *extra]
+
+
+def test_resume_after_sigkill_equals_uninterrupted(tiny_dir, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    full = tmp_path / "full"
+    subprocess.run(_train_cmd(tiny_dir, full), check=True, env=env, capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(tiny_dir, killed), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    index = killed / "checkpoints" / "index.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if index.is_file() and '"step": 2' in index.read_text():
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "adapter").exists(), "run finished before it could be killed"
+    res = subprocess.run([sys.executable, "-m", "selfdistill", "--quiet", "train",
+                          "--resume", str(killed)], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    a, b = adapter_weights(full), adapter_weights(killed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    steps = [json.loads(x)["step"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_existing_run_dir_is_not_overwritten(tiny_dir, tmp_path):
+    from selfdistill.errors import UserError
+
+    cfg = tiny_cfg(tiny_dir, tmp_path / "run", steps=1)
+    run_training(cfg, progress=False)
+    with pytest.raises(UserError, match="--resume"):
+        run_training(cfg, progress=False)
