@@ -19,12 +19,23 @@ chunked}), on CPU in float32 with B=4, V=49152 and T=1024 (``--long``: T=4096):
   the noise of whatever else ran meanwhile (the load average at start and end is recorded); the
   interleaving spreads that noise evenly, and the minimum is the least disturbed run.
 
+OpenMP wait policy: workers run with ``OMP_WAIT_POLICY=PASSIVE`` unless ``--omp-wait-policy
+default``. On a machine whose cores are shared with other busy processes, libgomp's default
+spin-waiting makes every parallel kernel wait for a descheduled peer thread; the chunked path
+launches ~B·T/chunk times more (smaller) kernels than the plain path, so it is penalized by the
+sharing, not by its arithmetic (measured here, T=1024, top-k, 2 threads, load average ~3.7:
+chunked 5.97 s vs plain 3.58 s with libgomp's default, 1.47 s vs 3.22 s with PASSIVE; see
+results/loss_kernels_omp-default.md and results/loss_kernels.md). The header records the policy used.
+
 When the plain path cannot fit in this machine's available memory (``--long``: it saves several
 (B·T, V) float32 intermediates), it is not run: a probe at T/8 is measured the same way and its
-extra memory is scaled linearly in T; such rows are marked "extrapolated" and get no time.
+extra memory is scaled linearly in T (every intermediate is proportional to B·T·V); when inputs
+plus that estimate exceed ``--mem-fraction`` of MemAvailable, the row is marked "extrapolated"
+and gets no time.
 
 Results: a Markdown table on stdout and in ``benchmarks/results/loss_kernels{suffix}.md``, and a
-bar plot ``loss_kernels{suffix}.png`` (suffix "" by default, "_long", "_quick").
+bar plot ``loss_kernels{suffix}.png`` (suffix "" by default, "_long", "_quick"; plus
+"_omp-<policy>" for a non-default ``--omp-wait-policy``).
 
     .venv/bin/python benchmarks/loss_kernels.py            # T=1024
     .venv/bin/python benchmarks/loss_kernels.py --long     # T=4096
@@ -94,11 +105,15 @@ def run_worker(cfg: dict) -> dict:
 
 
 def _spawn(cfg: dict) -> dict:
+    env = dict(os.environ)
+    if cfg["omp_wait_policy"] != "default":
+        env["OMP_WAIT_POLICY"] = cfg["omp_wait_policy"].upper()
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(cfg)],
         capture_output=True,
         text=True,
         check=False,
+        env=env,
     )
     if proc.returncode != 0:
         return {"error": f"rc={proc.returncode} {proc.stderr.strip()[-300:]}"}
@@ -123,7 +138,7 @@ def too_big(cfg: dict) -> dict | None:
         return probed
     need = probed["extra_bytes"] * 8
     inputs = 2 * cfg["batch"] * cfg["seq"] * cfg["vocab"] * 4
-    if inputs + need > 0.85 * _available_bytes():
+    if inputs + need > cfg["mem_fraction"] * _available_bytes():
         return {"times": [], "extra_bytes": need, "extrapolated": True}
     return None
 
@@ -163,7 +178,8 @@ def render(settings: dict, rows: list[dict]) -> str:
         f"# per_token_divergence forward+backward, {settings['label']}",
         "",
         f"B={settings['batch']}, T={settings['seq']}, V={settings['vocab']}, float32, CPU "
-        f"({settings['cpu']}), {settings['threads']} torch threads, alpha={settings['alpha']}, "
+        f"({settings['cpu']}), {settings['threads']} torch threads "
+        f"(OMP_WAIT_POLICY {settings['omp_wait_policy']}), alpha={settings['alpha']}, "
         f"chunk_size={settings['chunk_size']} rows. {settings['rounds']} rounds, each running "
         f"every configuration once in a fresh process (1 warm-up + 1 timed run); load average "
         f"at start {settings['loadavg']}, at end {settings.get('loadavg_end', '?')} "
@@ -249,9 +265,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument(
-        "--chunk-size", type=int, default=None, help="rows per chunk (default 64; 32 quick)"
+        "--chunk-size", type=int, default=None, help="rows per chunk (default 128; 32 quick)"
     )
     parser.add_argument("--alpha", type=float, default=0.5, help="divergence alpha")
+    parser.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.7,
+        help="run a plain configuration only if inputs + extrapolated extra memory stay below "
+        "this fraction of MemAvailable (the machine is shared)",
+    )
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=("passive", "active", "default"),
+        default="passive",
+        help="OMP_WAIT_POLICY for the workers (default: leave the environment as it is)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -271,12 +300,23 @@ def main(argv: list[str] | None = None) -> None:
         "vocab": vocab,
         "threads": args.threads,
         "alpha": args.alpha,
-        "chunk_size": args.chunk_size or (32 if args.quick else 64),
+        "chunk_size": args.chunk_size or (32 if args.quick else 128),
+        "omp_wait_policy": args.omp_wait_policy,
+        "mem_fraction": args.mem_fraction,
         "rounds": args.rounds or (1 if args.quick else 5),
         "cpu": _cpu_name(),
         "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
-    keys = ("batch", "seq", "vocab", "threads", "alpha", "chunk_size")
+    keys = (
+        "batch",
+        "seq",
+        "vocab",
+        "threads",
+        "alpha",
+        "chunk_size",
+        "omp_wait_policy",
+        "mem_fraction",
+    )
     cfgs = [
         {**{k: settings[k] for k in keys}, "estimator": name, "topk": topk, "path": path}
         for name, topk in ESTIMATORS.items()
@@ -287,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     table = render(settings, rows)
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.omp_wait_policy != "passive":
+        suffix += f"_omp-{args.omp_wait_policy}"
     (RESULTS / f"loss_kernels{suffix}.md").write_text(table)
     plot(settings, rows, RESULTS / f"loss_kernels{suffix}.png")
 

@@ -53,29 +53,31 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 def _topk_tail(
-    x_N_V: Tensor, idx_N_K: Tensor, work: Tensor | None = None
+    x_N_V: Tensor, idx_N_K: Tensor, *, idx_has_max: bool, work: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Full-softmax log-probs at ``idx`` plus the tail log-mass, for one distribution.
 
-    With m = max_row x, e = exp(x − m) (N, V), z = Σ_V e and r = Σ_{v ∉ idx} e (summed directly
-    over the rest, so a tiny tail keeps its relative precision; no 1 − Σ top-k cancellation):
-    log p[idx] = x[idx] − m − log z and tail = log(max(r, tiny)) − log z.
-    A tail below float32's ``tiny`` (student logit gap > ~87 nats) counts as ``tiny``, and
-    gets no gradient.
-
+    With m = max_row x, e = exp(x − m) (N, V), r = Σ_{v ∉ idx} e (summed directly over the rest,
+    so a tiny tail keeps its relative precision; no 1 − Σ top-k cancellation) and
+    z = r + Σ_{v ∈ idx} e: log p[idx] = x[idx] − m − log z, tail = log(max(r, tiny)) − log z.
+    A tail below float32's ``tiny`` (student logit gap > ~87 nats) counts as ``tiny`` and gets no
+    gradient. ``idx_has_max``: the row max is among x[idx] (true for the student, whose top-k
+    these are), so m comes from the (N, K) gather instead of another pass over V.
     ``work``: optional (N, V) float32 scratch for e (outside autograd), so a chunk loop does not
     allocate (and page-fault) a fresh (N, V) temporary per chunk.
 
     Returns: bucket log-probs (N, K+1), m, z, r (each (N, 1)).
     """
-    m = x_N_V.detach().amax(dim=-1, keepdim=True)
+    x_top = x_N_V.gather(-1, idx_N_K)
+    m = (x_top if idx_has_max else x_N_V).detach().amax(dim=-1, keepdim=True)
     e = torch.sub(x_N_V, m, out=work).exp_()
-    z = e.sum(dim=-1, keepdim=True)
     # Under autograd exp's backward needs e unmodified; otherwise zero the top-k in place.
     rest = e.scatter(-1, idx_N_K, 0.0) if e.requires_grad else e.scatter_(-1, idx_N_K, 0.0)
     r = rest.sum(dim=-1, keepdim=True)
+    top = x_top - m
+    z = r + top.exp().sum(dim=-1, keepdim=True)
     log_z = z.log()
-    log_p = torch.cat([x_N_V.gather(-1, idx_N_K) - m - log_z, r.clamp_min(_TINY).log() - log_z], -1)
+    log_p = torch.cat([top - log_z, r.clamp_min(_TINY).log() - log_z], dim=-1)
     return log_p, m, z, r
 
 
@@ -96,8 +98,8 @@ def _bucket_logprobs(
     if not add_tail:
         log_p = F.log_softmax(s_N_V.gather(-1, idx_N_K), dim=-1)
         return log_p, F.log_softmax(t_N_V.gather(-1, idx_N_K), dim=-1), None
-    log_p, m, z, r = _topk_tail(s_N_V, idx_N_K, work)
-    log_q = _topk_tail(t_N_V, idx_N_K, work)[0]
+    log_p, m, z, r = _topk_tail(s_N_V, idx_N_K, idx_has_max=True, work=work)
+    log_q = _topk_tail(t_N_V, idx_N_K, idx_has_max=False, work=work)[0]
     return log_p, log_q, (m, z, r)
 
 
@@ -290,8 +292,11 @@ def per_token_divergence(
         chunk_size: None = plain autograd (saves several (B·T, V) float32 intermediates).
             n = process the B·T rows n at a time with a closed-form, recompute-in-backward
             gradient: extra memory is the (B, T, V) gradient plus O(n × V) temporaries. On CPU,
-            keep n × V × 4 bytes under ~32 MB (n = 64 for V = 49152): larger temporaries are
-            mmap'ed afresh by the allocator on every chunk and page faults dominate.
+            keep n × V × 4 bytes under ~32 MB (n = 128 for V = 49152): larger temporaries are
+            mmap'ed afresh by the allocator on every chunk and page faults add up. On cores
+            shared with other busy processes, run with OMP_WAIT_POLICY=PASSIVE: spin-waiting
+            OpenMP threads slow each of the many per-chunk kernels (see
+            benchmarks/loss_kernels.py).
 
     Returns:
         (B, T) float32 per-token values.

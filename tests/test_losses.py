@@ -359,3 +359,18 @@ def test_extreme_logit_gaps_stay_finite(alpha):
     assert torch.isfinite(plain).all() and torch.isfinite(g_plain).all()
     torch.testing.assert_close(chunked, plain, rtol=0, atol=1e-6)
     torch.testing.assert_close(g_chunked, g_plain, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("topk", [None, 5])
+def test_chunked_path_keeps_no_vocabulary_sized_intermediates(topk):
+    s = _logits(24, (2, 6, 40)).requires_grad_(True)
+    t = _logits(25, (2, 6, 40))
+    out = per_token_divergence(s, t, alpha=0.5, topk=topk, chunk_size=4)
+    inputs = {s.data_ptr(), t.data_ptr()}
+    node = out.grad_fn.next_functions[0][0]  # out is a (B, T) view of the Function's (B·T,)
+    saved = node.saved_tensors
+    assert {x.data_ptr() for x in saved[:2]} == inputs  # the inputs themselves, not copies
+    if topk is None:
+        assert len(saved) == 2
+    else:  # per-row statistics only: at most (B·T, k+1) values each
+        assert len(saved) > 2 and all(x.numel() <= 12 * (topk + 1) for x in saved[2:])

@@ -126,10 +126,12 @@ def attach_contexts(cfg: TrainConfig, ctx: StepContext, samples: list[Sample],
                     timer: PhaseTimer) -> None:
     """Grade attempts (sdpo/grpo) and build each sample's teacher prompt (sdft/sdpo)."""
     if cfg.method in ("sdpo", "grpo"):
-        with timer("grade"):
-            for s in samples:
-                s.feedback = ctx.graders(s.row).step(s.text)
-                s.reward = float(s.feedback.reward)
+        from selfdistill.envs import step_many
+
+        with timer("grade"):  # sandboxed code runs wait on processes: grade in parallel
+            feedback = step_many([ctx.graders(s.row) for s in samples], [s.text for s in samples])
+            for s, fb in zip(samples, feedback, strict=True):
+                s.feedback, s.reward = fb, float(fb.reward)
     if cfg.method == "sdft":
         for s in samples:
             s.contexts = sdft_contexts(s.row)
