@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         default="passive",
         help="OMP_WAIT_POLICY for the workers (default: leave the environment as it is)",
     )
+    parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the table and plot go")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -326,11 +327,11 @@ def main(argv: list[str] | None = None) -> None:
     settings["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     table = render(settings, rows)
     print(table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.omp_wait_policy != "passive":
         suffix += f"_omp-{args.omp_wait_policy}"
-    (RESULTS / f"loss_kernels{suffix}.md").write_text(table)
-    plot(settings, rows, RESULTS / f"loss_kernels{suffix}.png")
+    (args.out_dir / f"loss_kernels{suffix}.md").write_text(table)
+    plot(settings, rows, args.out_dir / f"loss_kernels{suffix}.png")
 
 
 if __name__ == "__main__":
