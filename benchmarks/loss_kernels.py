@@ -25,7 +25,8 @@ spin-waiting makes every parallel kernel wait for a descheduled peer thread; the
 launches ~B·T/chunk times more (smaller) kernels than the plain path, so it is penalized by the
 sharing, not by its arithmetic (measured here, T=1024, top-k, 2 threads, load average ~3.7:
 chunked 5.97 s vs plain 3.58 s with libgomp's default, 1.47 s vs 3.22 s with PASSIVE; see
-results/loss_kernels_omp-default.md and results/loss_kernels.md). The header records the policy used.
+results/loss_kernels_omp-default.md and results/loss_kernels.md). The header records the
+policy used.
 
 When the plain path cannot fit in this machine's available memory (``--long``: it saves several
 (B·T, V) float32 intermediates), it is not run: a probe at T/8 is measured the same way and its

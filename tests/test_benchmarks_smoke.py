@@ -1,4 +1,4 @@
-"""Benchmarks are not timed tests: CI only smoke-runs them with a tiny setting so they cannot rot."""
+"""Benchmarks are not timed tests: CI only smoke-runs them with a tiny setting."""
 
 from __future__ import annotations
 
