@@ -19,7 +19,9 @@ def test_conversion_is_cached_and_reused(tmp_path, monkeypatch):
     target = tmp_path / "cache" / "models" / models.DEFAULT_MODEL
     assert (target / "model.safetensors").is_file()
     assert (target / "selfdistill-cache.json").is_file()
-    assert not [p for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")]
+    # No half-written temporary conversion directory is left beside the cache.
+    assert not [p for p in target.parent.iterdir()
+                if p.is_dir() and p.name.startswith(f".{target.name}.")]
     stamp = (target / "model.safetensors").stat().st_mtime_ns
 
     t0 = time.perf_counter()
