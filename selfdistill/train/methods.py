@@ -136,16 +136,14 @@ def _distillation(logp: Tensor, old: Tensor, x: LossInputs, cfg: Any,
         return logp.sum() * 0.0, {"distill_loss": 0.0}, None
     rows = x.ctx_rows
     s_logits, mask = x.student_logits[rows], x.mask[rows]
+    t_logp = token_logprobs(x.teacher_logits, x.completion_ids[rows])
+    advantage = (t_logp - logp[rows]).detach()
     if cfg.estimator == "sampled":
-        t_logp = token_logprobs(x.teacher_logits, x.completion_ids[rows])
         per_tok = sampled_token_objective(logp[rows], t_logp)
-        advantage = (t_logp - logp[rows]).detach()
     else:
         topk = cfg.topk if cfg.estimator == "topk" else None
         per_tok = per_token_divergence(s_logits, x.teacher_logits, alpha=cfg.alpha, topk=topk,
                                        add_tail=cfg.add_tail, chunk_size=cfg.chunk_size)
-        t_logp = token_logprobs(x.teacher_logits, x.completion_ids[rows])
-        advantage = (t_logp - logp[rows]).detach()
     if update > 0:
         per_tok = per_tok * importance_weights(logp[rows], old[rows], cfg.importance_clip)
     loss = masked_mean(per_tok, mask)
