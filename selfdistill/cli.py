@@ -15,7 +15,13 @@ from typing import Any
 from selfdistill.errors import UserError
 
 # Sub-commands that live beside their feature: module path → it defines add_subcommand(subparsers).
-_PLUGINS = ("selfdistill.train.cli", "selfdistill.envs.cli", "selfdistill.store.cli")
+_PLUGINS = (
+    "selfdistill.train.cli",
+    "selfdistill.envs.cli",
+    "selfdistill.store.cli",
+    "selfdistill.evals.compare",
+    "selfdistill.registry.cli",
+)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -31,14 +37,33 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from selfdistill.models import load_model
     from selfdistill.rollout import generate
 
-    lm = load_model(args.model, adapter=args.adapter, progress=not args.quiet)
+    meta: dict[str, Any] = {"adapter": args.adapter}
+    if args.user or args.workspace:
+        if args.adapter:
+            raise UserError("--adapter and --user/--workspace both choose the adapter: give one")
+        from selfdistill.registry import Registry
+
+        with Registry(args.registry) as reg:  # user → workspace → global → base
+            lm, res = reg.load_resolved(args.user, args.workspace, model=args.model,
+                                        progress=not args.quiet)
+        meta = {"adapter": res.version, "resolution": res.as_dict()}
+    else:
+        lm = load_model(args.model, adapter=args.adapter, progress=not args.quiet)
     messages = to_messages(args.prompt)
     if args.system:
         messages.insert(0, {"role": "system", "content": args.system})
     ids = prompt_ids(lm.tokenizer, messages)
     [[c]] = generate(lm.model, lm.tokenizer, [ids], greedy=args.temperature == 0,
                      temperature=args.temperature or 1.0, max_new_tokens=args.max_new_tokens)
-    print(c.text)
+    if args.json:
+        print_json({"text": c.text, "completion_tokens": len(c.token_ids), **meta})
+    else:
+        print(c.text)
+        if "resolution" in meta:
+            r = meta["resolution"]
+            print(f"[adapter: {r['version'] or 'base model'}"
+                  f"{' of ' + r['scope'] if r['scope'] else ''}; tried {' → '.join(r['order'])}]",
+                  file=sys.stderr)
     return 0
 
 
@@ -74,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--user", default=None, help="resolve the adapter from the registry for this "
+                   "user (user → workspace → global → base)")
+    p.add_argument("--workspace", default=None, help="the workspace for registry resolution")
+    p.add_argument("--registry", default=None, help="registry path or URL for --user/--workspace "
+                   "(default $SELFDISTILL_HOME/registry.db, else ./.selfdistill/registry.db)")
+    p.add_argument("--json", action="store_true", help="print text and adapter metadata as JSON")
     _add_model_args(p)
     p.set_defaults(func=_cmd_generate)
 

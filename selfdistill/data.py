@@ -3,7 +3,10 @@
 Row formats (README "Data formats"):
 - evaluation row: `{"prompt": str | [messages], "answer": str | [str, ...]}`; a completion is
   correct when any answer string occurs in it, case-insensitively.
-- demonstration row: `{"prompt": ..., "privileged_context": str, "answer"?: ...}`.
+- demonstration row: `{"prompt": ..., "privileged_context": str, "context_kind"?: str,
+  "answer"?: ...}`; `context_kind` says how the teacher is shown the context (a kind of
+  `selfdistill.teacher.KINDS`: "demonstration", the default, is an example response; "fact" is
+  background knowledge the answer needs).
 A plain-string prompt means one user message. Every problem is reported with file and line.
 """
 
@@ -16,6 +19,7 @@ from typing import Any
 
 from selfdistill.chat import ROLES, Message, to_messages
 from selfdistill.errors import DataError
+from selfdistill.teacher.contexts import KINDS
 
 
 @dataclass
@@ -25,6 +29,7 @@ class Row:
     messages: list[Message]
     answers: list[str] = field(default_factory=list)
     privileged_context: str | None = None
+    context_kind: str = "demonstration"  # how the teacher sees privileged_context
     extra: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # "file:line", for error messages and traces
 
@@ -99,9 +104,13 @@ def load_rows(
         ctx = obj.get("privileged_context")
         if ctx is not None and (not isinstance(ctx, str) or not ctx.strip()):
             raise DataError(path, lineno, "'privileged_context' must be a non-empty string")
+        kind = obj.get("context_kind", "demonstration")
+        if kind not in KINDS:
+            raise DataError(path, lineno, f"'context_kind' must be one of {', '.join(KINDS)}, "
+                            f"got {json.dumps(kind)[:40]}")
         extra = {k: v for k, v in obj.items()
-                 if k not in {"prompt", "answer", "privileged_context"}}
-        out.append(Row(messages, answers, ctx, extra, source=f"{path}:{lineno}"))
+                 if k not in {"prompt", "answer", "privileged_context", "context_kind"}}
+        out.append(Row(messages, answers, ctx, kind, extra, source=f"{path}:{lineno}"))
     return out
 
 

@@ -71,6 +71,20 @@ def test_demonstration_rows_need_context(tmp_path):
         load_rows(p, require=("prompt", "privileged_context"))
 
 
+def test_context_kind_defaults_to_demonstration_and_is_checked(tmp_path):
+    from selfdistill.train.methods import sdft_contexts
+
+    p = write(tmp_path, [{"prompt": "q", "privileged_context": "c"},
+                         {"prompt": "q", "privileged_context": "c", "context_kind": "fact"}])
+    rows = load_rows(p)
+    assert [r.context_kind for r in rows] == ["demonstration", "fact"]
+    assert [c.kind for c in sdft_contexts(rows[1])] == ["fact"]
+    assert "context_kind" not in rows[1].extra
+    p = write(tmp_path, [{"prompt": "q", "privileged_context": "c", "context_kind": "hint"}])
+    with pytest.raises(DataError, match=r":1: 'context_kind' must be one of demonstration, fact"):
+        load_rows(p)
+
+
 def test_strict_scoring_any_of_case_insensitive():
     assert is_correct("The capital is MARQUENTA.", ["Marquenta"])
     assert is_correct("It is seven days.", ["7", "seven"])

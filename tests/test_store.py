@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 TABLES = {
     "runs", "attempts", "feedback", "teacher_contexts", "training_steps", "step_attempts",
     "checkpoints", "alembic_version",
+    "adapter_versions", "adapter_scopes", "adapter_activations", "adapter_gate_runs",
 }  # fmt: skip
 
 

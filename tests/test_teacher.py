@@ -293,7 +293,7 @@ CHAT = [
 
 
 @pytest.mark.parametrize(
-    "kind", ["demonstration", "solution", "feedback", "ground_truth", "user_followup"]
+    "kind", ["demonstration", "fact", "solution", "feedback", "ground_truth", "user_followup"]
 )
 def test_each_kind_renders_into_last_user_turn(kind):
     templates = ContextTemplates()
@@ -351,7 +351,7 @@ def test_truncation_cuts_the_requested_side_and_reports_it(tokenizer):
 
 
 def test_unknown_kind_and_missing_user_turn_raise():
-    with pytest.raises(ValueError, match="demonstration, solution, feedback"):
+    with pytest.raises(ValueError, match="demonstration, fact, solution, feedback"):
         PrivilegedContext("hint", "x")
     with pytest.raises(ValueError, match="no user turn"):
         build_teacher_messages(

@@ -68,7 +68,7 @@ def test_sdft_run_writes_complete_traces(sdft_run):
         KNOWLEDGE / "train.jsonl").read_text().splitlines())}
     for a in attempts:
         [tc] = a["teacher_contexts"]
-        assert tc["kinds"] == ["demonstration"]
+        assert tc["kinds"] == ["fact"]  # the example rows carry context_kind "fact"
         last = tc["messages"][-1]["content"]
         assert any(c in last for c in contexts), last
         assert a["prompt"][-1]["content"] in last  # the request itself is kept
@@ -102,6 +102,22 @@ def test_replay_matches_logged_loss(sdft_run, step, capsys):
     assert result["step"] == step and result["match"] is True, result
     assert result["abs_diff"] <= 1e-4 * abs(result["logged_loss"])
     assert result["logged_loss"] > 0
+
+
+def test_replay_with_anchors_and_bfloat16_matches(tiny_dir, tmp_path, capsys):
+    """Anchor rows are a separate token mean (anchor_weight): replay must know which rows were
+    anchors (recorded as teacher-context kind "anchor") and run in the run's precision."""
+    out = tmp_path / "run"
+    cfg = tiny_cfg(tiny_dir, out, "steps=2", "batch_size=2", "checkpoint_every=1",
+                   "anchor_data=builtin", "anchor_batch_size=2", "loss.anchor_weight=3",
+                   "precision=bfloat16")
+    run_training(cfg, progress=False)
+    _, _, attempts = read_store(out)
+    kinds = [a["teacher_contexts"][0]["kinds"] for a in attempts]
+    assert kinds.count(["anchor"]) == 4 and kinds.count(["fact"]) == 4
+    assert main(["traces", "replay", str(out), "--step", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["match"] is True, result
 
 
 def test_export_gives_one_line_per_attempt(sdft_run, tmp_path):

@@ -59,6 +59,9 @@ def adapter_weights(run_dir):
     ("cpt", {}),
     ("sdpo", {"num_generations": 2, "train_data": "{qa}"}),
     ("grpo", {"num_generations": 2, "train_data": "{qa}"}),
+    ("grpo", {"num_generations": 2, "train_data": "{qa}", "anchor_data": "builtin",
+              "anchor_batch_size": 2}),
+    ("sdft", {"anchor_data": "builtin", "anchor_batch_size": 3}),
     ("sdft", {"loss.estimator": "topk", "loss.topk": 5, "teacher.regime": "ema"}),
     ("sdft", {"loss.estimator": "sampled", "loss.alpha": 1, "teacher.regime": "trust_region"}),
 ])
@@ -127,6 +130,33 @@ def test_no_context_samples_get_no_distillation_loss():
     assert torch.allclose(loss1, ref)
 
 
+def test_anchor_teacher_sees_the_student_prompt_and_starts_at_zero_divergence(
+        tiny_dir, tmp_path, monkeypatch):
+    """Anchors are distilled toward the teacher WITHOUT context: at the first update (LoRA B = 0,
+    regime base) student and teacher are the same function, so their divergence is zero, while
+    the task rows (fact in the teacher's prompt) diverge."""
+    import selfdistill.train.loop as loop
+
+    seen = []
+    real = loop.score_batch
+
+    def spy(regime, model, samples, pad, timer):
+        seen.extend(samples)
+        return real(regime, model, samples, pad, timer)
+
+    monkeypatch.setattr(loop, "score_batch", spy)
+    cfg = tiny_cfg(tiny_dir, tmp_path / "run", steps=1, batch_size=2, anchor_data="builtin",
+                   anchor_batch_size=3)
+    run_training(cfg, progress=False)
+    anchors = [s for s in seen if s.anchor]
+    assert len(anchors) == 3 and len(seen) == 5
+    assert all(s.teacher_prompt == s.prompt and not s.contexts for s in anchors)
+    assert all(s.teacher_prompt != s.prompt for s in seen if not s.anchor)
+    m = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["anchor_samples"] == 3 and m["no_context"] == 0
+    assert abs(m["anchor_distill_loss"]) < 1e-5 < m["distill_loss"]
+
+
 def test_prompt_and_padding_are_masked(tokenizer):
     from selfdistill.teacher import build_batch
 
@@ -144,6 +174,9 @@ def test_prompt_and_padding_are_masked(tokenizer):
     (["loss.estimator=sampled", "loss.alpha=0.5"], "reverse KL only"),
     (["method=grpo"], "num_generations >= 2"),
     (["nonsense"], "expected key=value"),
+    (["anchor_batch_size=4"], "needs anchor_data"),
+    (["anchor_batch_size=4", "anchor_data=builtin", "teacher.regime=live"], "IS the student"),
+    (["anchor_batch_size=4", "anchor_data=builtin", "method=sft"], "makes none"),
 ])
 def test_bad_config_fails_before_loading(overrides, needle, tmp_path):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
@@ -207,3 +240,30 @@ def test_existing_run_dir_is_not_overwritten(tiny_dir, tmp_path):
     run_training(cfg, progress=False)
     with pytest.raises(UserError, match="--resume"):
         run_training(cfg, progress=False)
+
+
+def test_training_run_proposes_its_adapter_to_the_registry(tiny_dir, tmp_path):
+    from selfdistill.registry import Registry
+
+    reg_path = tmp_path / "reg" / "registry.db"
+    cfg = tiny_cfg(tiny_dir, tmp_path / "run", steps=1, registry=str(reg_path),
+                   scope="user:alice")
+    summary = run_training(cfg, progress=False)
+    version = summary["proposed_version"]
+    listed = Registry(reg_path).list("user:alice")
+    assert [v["id"] for v in listed] == [version["id"]]
+    assert Registry(reg_path).resolve(user="alice").version is None  # proposed, not promoted
+
+
+def test_builtin_anchors_are_disjoint_from_the_probes():
+    """Anchors are trained on; probes measure forgetting: a shared question would make the
+    probe measure the anchor's training instead."""
+    from selfdistill.data import load_rows
+    from selfdistill.train.run import BUILTIN_ANCHORS, BUILTIN_PROBES
+
+    def norm(rows):
+        return {r.messages[-1]["content"].strip().lower() for r in rows}
+
+    anchors = norm(load_rows(BUILTIN_ANCHORS, require=("prompt",), purpose="anchor"))
+    probes = norm(load_rows(BUILTIN_PROBES, require=("prompt", "answer"), purpose="probe"))
+    assert len(anchors) >= 40 and not anchors & probes

@@ -65,7 +65,7 @@ def generate(
     out: list[Completion] = []
     for start in range(0, len(flat), batch_size):
         chunk = flat[start:start + batch_size]
-        ids, mask = _left_pad(chunk, pad_id)
+        ids, mask = (t.to(model.device) for t in _left_pad(chunk, pad_id))
         kwargs: dict[str, Any] = {"do_sample": False} if greedy else {
             "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         res = model.generate(

@@ -11,9 +11,11 @@ evidence that shaped it and any training batch replayed.
     store.step_batch(run_id, step)                # everything to rebuild that batch
 
 Modules: `models` (tables), `records` (validated write plans), `store` (`TraceStore`),
-`writer` (`TraceWriter`), `migrations` (Alembic, run on open), `cli` (`selfdistill traces`).
+`writer` (`TraceWriter`), `migrations` (Alembic, run on open), `cli` (`selfdistill traces`),
+`registry_models` (the adapter registry's tables, used by `selfdistill.registry`).
 """
 
+from selfdistill.store import registry_models  # noqa: F401  (its tables join Base.metadata)
 from selfdistill.store.models import CREDIT_SCOPES, new_id
 from selfdistill.store.records import sha256_file, summarize_token_credit
 from selfdistill.store.store import DB_FILENAME, TraceStore

@@ -11,7 +11,14 @@ Templates follow the reference implementations, reworded for a small chat model:
   the order given.
 - SDFT ("Self-Distillation Enables Continual Learning") shows a demonstration, then asks for "a
   response of your own, including the thinking process"; we drop the thinking-process clause,
-  which a small model without a reasoning format tends to follow literally.
+  which a small model without a reasoning format tends to follow literally, and end with a plain
+  "Now answer the request.". Measured on the default model with the bundled knowledge facts (32
+  questions, 4 teacher samples each at temperature 0.7; greedy / sampled accuracy / samples that
+  talk about "the request", "the original" or "the example"): the reference wording 94 % / 64 % /
+  31 %; the plain ending 97 % / 77 % / 22 %; the fact as a `fact` with the plain ending
+  100 % / 81 % / 3 %. The student learns those words from the teacher, so they matter.
+- A `fact` (background knowledge the answer needs, as in SDFT's knowledge-injection experiments)
+  is shown as a fact, not as an example response.
 - User follow-ups ("Aligning Language Models from User Interactions") are placed into the last user
   turn as hindsight ("the user's reaction to a previous answer: ...") rather than continuing the
   conversation with the student's answer and the follow-up: the teacher must score the student's
@@ -26,7 +33,7 @@ from typing import Any, Literal
 
 from selfdistill.chat import Message, to_messages
 
-KINDS = ("demonstration", "solution", "feedback", "ground_truth", "user_followup")
+KINDS = ("demonstration", "fact", "solution", "feedback", "ground_truth", "user_followup")
 # Feedback kinds that environments report (see DESIGN.md); all are rendered as `feedback`.
 FEEDBACK_ALIASES = ("test_failure", "runtime_error", "reviewer_note")
 
@@ -66,15 +73,14 @@ class ContextTemplates:
     """
 
     demonstration: str = "\n\nThis is an example of a good response to the request:\n{text}"
+    fact: str = "\n\nUseful fact: {text}"
     solution: str = "\n\nA correct solution:\n{text}"
     feedback: str = "\n\nThe following is feedback on an earlier, unsuccessful attempt:\n{text}"
     ground_truth: str = "\n\nThe correct answer is:\n{text}"
     user_followup: str = (
         "\n\n(The user's reaction to a previous answer: {text} Take it into account.)"
     )
-    wrapper: str = (
-        "{prompt}{context}\n\nNow answer the original request with a response of your own."
-    )
+    wrapper: str = "{prompt}{context}\n\nNow answer the request."
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -17,7 +17,7 @@ import math
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -87,13 +87,15 @@ class StepContext:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     rows: list[Row]
+    anchors: list[Row] = field(default_factory=list)  # anchor prompts (see TrainConfig)
     graders: Any = None  # callable(row) -> env with .step(text) -> Feedback (sdpo / grpo)
     recorder: Any = None  # .on_step(step, samples, metrics): the trace store (off the hot path)
 
 
-def make_samples(cfg: TrainConfig, ctx: StepContext, indices: list[int],
+def make_samples(cfg: TrainConfig, ctx: StepContext, indices: list[int], step: int,
                  timer: PhaseTimer) -> list[Sample]:
-    """Targets of one step: rollouts for sdft/sdpo/grpo, fixed texts for sft/cpt."""
+    """Targets of one step: rollouts for sdft/sdpo/grpo (task prompts first, then the step's
+    anchor prompts), fixed texts for sft/cpt."""
     tok = ctx.tokenizer
     rows = [ctx.rows[i] for i in indices]
     if cfg.method == "cpt":
@@ -104,13 +106,35 @@ def make_samples(cfg: TrainConfig, ctx: StepContext, indices: list[int],
     if cfg.method == "sft":
         return [Sample(i, r, g, p, _text_ids(tok, r.privileged_context), r.privileged_context)
                 for g, (i, r, p) in enumerate(zip(indices, rows, prompts, strict=True))]
+    a_idx = (batch_indices(step, len(ctx.anchors), cfg.anchor_batch_size, cfg.seed + 1)
+             if cfg.anchor_batch_size else [])
+    a_rows = [ctx.anchors[i] for i in a_idx]
+    a_prompts = [prompt_ids(tok, r.messages) for r in a_rows]
     with timer("generate"):
-        groups = generate(ctx.model, tok, prompts, n=cfg.num_generations,
-                          max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                          top_p=cfg.top_p, batch_size=len(prompts) * cfg.num_generations)
-    return [Sample(i, r, g, p, c.token_ids, c.text)
-            for g, (i, r, p, group) in enumerate(zip(indices, rows, prompts, groups, strict=True))
-            for c in group]
+        groups, a_groups = _rollouts(cfg, ctx, prompts, a_prompts)
+    samples = [Sample(i, r, g, p, c.token_ids, c.text)
+               for g, (i, r, p, group) in enumerate(zip(indices, rows, prompts, groups,
+                                                        strict=True))
+               for c in group]
+    samples += [Sample(i, r, len(rows) + j, p, group[0].token_ids, group[0].text, anchor=True)
+                for j, (i, r, p, group) in enumerate(zip(a_idx, a_rows, a_prompts, a_groups,
+                                                         strict=True))]
+    return samples
+
+
+def _rollouts(cfg: TrainConfig, ctx: StepContext, prompts: list[list[int]],
+              a_prompts: list[list[int]]) -> tuple[list[Any], list[Any]]:
+    """`num_generations` completions per task prompt and one per anchor prompt; one batched
+    `generate` call when both take one completion."""
+    def run(ps: list[list[int]], n: int) -> list[Any]:
+        return generate(ctx.model, ctx.tokenizer, ps, n=n, max_new_tokens=cfg.max_new_tokens,
+                        temperature=cfg.temperature, top_p=cfg.top_p,
+                        batch_size=len(ps) * n) if ps else []
+
+    if cfg.num_generations == 1:
+        both = run(prompts + a_prompts, 1)
+        return both[:len(prompts)], both[len(prompts):]
+    return run(prompts, cfg.num_generations), run(a_prompts, 1)
 
 
 def cpt_prompt(tok: Any) -> list[int]:
@@ -125,6 +149,8 @@ def _text_ids(tok: Any, text: str) -> list[int]:
 def attach_contexts(cfg: TrainConfig, ctx: StepContext, samples: list[Sample],
                     timer: PhaseTimer) -> None:
     """Grade attempts (sdpo/grpo) and build each sample's teacher prompt (sdft/sdpo)."""
+    anchors = [s for s in samples if s.anchor]
+    samples = [s for s in samples if not s.anchor]
     if cfg.method in ("sdpo", "grpo"):
         from selfdistill.envs import step_many
 
@@ -150,6 +176,8 @@ def attach_contexts(cfg: TrainConfig, ctx: StepContext, samples: list[Sample],
             s.teacher_prompt = prompt_ids(ctx.tokenizer, tp.messages)
             s.teacher_messages = tp.messages
             s.truncated_tokens = tp.truncated_tokens
+    for s in anchors:  # the teacher sees exactly the student's prompt
+        s.teacher_prompt, s.teacher_messages = s.prompt, s.row.messages
 
 
 def train_step(cfg: TrainConfig, ctx: StepContext, step: int) -> dict[str, float]:
@@ -157,16 +185,19 @@ def train_step(cfg: TrainConfig, ctx: StepContext, step: int) -> dict[str, float
     timer = PhaseTimer()
     t_start = time.perf_counter()
     indices = batch_indices(step, len(ctx.rows), cfg.batch_size, cfg.seed)
-    samples = make_samples(cfg, ctx, indices, timer)
-    attach_contexts(cfg, ctx, samples, timer)
     model = ctx.model
-    ctx_rows, teacher_logits, sb = score_batch(ctx.regime, model, samples,
-                                               ctx.tokenizer.pad_token_id, timer)
+    with precision(cfg, model):
+        samples = make_samples(cfg, ctx, indices, step, timer)
+    attach_contexts(cfg, ctx, samples, timer)
+    with precision(cfg, model):
+        ctx_rows, teacher_logits, sb = score_batch(ctx.regime, model, samples,
+                                                   ctx.tokenizer.pad_token_id, timer)
     has_signal = _has_signal(cfg, samples, ctx_rows)
     metrics: dict[str, float] = {}
     for update in range(cfg.updates_per_batch if has_signal else 0):
         with timer("student"):
-            loss, m = update_loss(cfg, model, samples, sb, teacher_logits, ctx_rows, update)
+            with precision(cfg, model):
+                loss, m = update_loss(cfg, model, samples, sb, teacher_logits, ctx_rows, update)
             loss.backward()
         with timer("optimizer"):
             params = [p for p in model.parameters() if p.requires_grad]
@@ -190,20 +221,30 @@ def train_step(cfg: TrainConfig, ctx: StepContext, step: int) -> dict[str, float
     return metrics
 
 
+def precision(cfg: TrainConfig, model: Any) -> Any:
+    """Autocast for forward passes under `cfg.precision`: bfloat16 runs the matmuls in bf16
+    (weights, gradients and optimizer state stay float32; logits are cast back to float32 for
+    the losses); float32 is a no-op."""
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.precision == "bfloat16")
+
+
 def score_batch(regime: Any, model: Any, samples: list[Sample], pad: int,
                 timer: PhaseTimer) -> tuple[list[int], torch.Tensor | None, PackedBatch]:
     """Teacher logits (no gradient, (B_ctx, T, V)) of the samples with a teacher prompt, their
     row indices, and the packed student batch. Shared by `train_step` and `traces replay`."""
     ctx_rows = [i for i, s in enumerate(samples) if s.teacher_prompt is not None]
+    device = next(model.parameters()).device
     teacher_logits = None
     if ctx_rows:
         with timer("teacher"):
             tb = build_batch([samples[i].teacher_prompt for i in ctx_rows],
-                             [samples[i].completion for i in ctx_rows], pad)
+                             [samples[i].completion for i in ctx_rows], pad, device=device)
             teacher_logits = regime.teacher_logits(
                 model, tb.input_ids, tb.attention_mask, tb.position_ids,
-                tb.completion_ids.shape[1] + 1)[:, :-1]
-    sb = build_batch([s.prompt for s in samples], [s.completion for s in samples], pad)
+                tb.completion_ids.shape[1] + 1)[:, :-1].float()
+    sb = build_batch([s.prompt for s in samples], [s.completion for s in samples], pad,
+                     device=device)
     return ctx_rows, teacher_logits, sb
 
 
@@ -212,9 +253,9 @@ def update_loss(cfg: TrainConfig, model: Any, samples: list[Sample], sb: PackedB
                 update: int) -> tuple[torch.Tensor, dict[str, float]]:
     """Student forward (train mode) and the method's loss of one update, with its metrics."""
     model.train()
-    logits = completion_logits(model, sb)
+    logits = completion_logits(model, sb).float()  # losses in float32 whatever the precision
     x = LossInputs(logits, sb.completion_ids, sb.completion_mask, teacher_logits,
-                   torch.tensor(ctx_rows, dtype=torch.long))
+                   torch.tensor(ctx_rows, dtype=torch.long, device=logits.device))
     return method_loss(cfg.method, samples, x, cfg.loss, update=update,
                        group_size=cfg.num_generations)
 
@@ -222,19 +263,19 @@ def update_loss(cfg: TrainConfig, model: Any, samples: list[Sample], sb: PackedB
 def _has_signal(cfg: TrainConfig, samples: list[Sample], ctx_rows: list[int]) -> bool:
     if cfg.method in ("sft", "cpt"):
         return True
-    if cfg.method == "sdft":
-        return bool(ctx_rows)
-    rewards = [s.reward for s in samples]
+    distill_on = cfg.method != "sdpo" or cfg.loss.distillation_weight > 0
+    if ctx_rows and distill_on:  # context rows (sdft / sdpo) or anchors (any rollout method)
+        return True
     pg_on = cfg.method == "grpo" or cfg.loss.distillation_weight < 1
-    varied = len(set(rewards)) > 1  # GRPO advantages are all zero in a uniform group
-    return bool(ctx_rows and cfg.method == "sdpo" and cfg.loss.distillation_weight > 0) or (
-        pg_on and varied)
+    rewards = [s.reward for s in samples if s.reward is not None]
+    return pg_on and len(set(rewards)) > 1  # GRPO advantages are all zero in a uniform group
 
 
 def _batch_metrics(samples: list[Sample], ctx_rows: list[int]) -> dict[str, float]:
     out: dict[str, float] = {
         "samples": len(samples),
         "no_context": len(samples) - len(ctx_rows),  # no distillation loss for these
+        "anchor_samples": sum(s.anchor for s in samples),
         "completion_len": float(np.mean([len(s.completion) for s in samples])),
         "truncated_tokens": float(sum(s.truncated_tokens for s in samples)),
     }
@@ -271,7 +312,7 @@ def build_model(cfg: TrainConfig, *, progress: bool) -> tuple[Any, Any, str]:
 
     lm = load_model(cfg.model, progress=progress)
     seed_everything(cfg.seed)
-    model = lm.model
+    model = lm.model.to(resolve_device(cfg.device))
     if cfg.lora.enabled:
         model = attach_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha,
                             dropout=cfg.lora.dropout, target_modules=cfg.lora.target_modules)
@@ -279,8 +320,15 @@ def build_model(cfg: TrainConfig, *, progress: bool) -> tuple[Any, Any, str]:
     return model, lm.tokenizer, lm.path
 
 
-def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any,
-                      rows: list[Row]) -> StepContext:
+def resolve_device(name: str) -> torch.device:
+    """`device` config value → torch device ("auto": the first GPU when there is one)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[Row],
+                      anchors: list[Row] = ()) -> StepContext:
     optimizer, scheduler = make_optimizer(cfg, model)
     regime = make_regime(cfg.teacher.regime, rate=cfg.teacher.rate)
     graders = None
@@ -291,7 +339,8 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any,
 
         def graders(row: Row) -> Any:
             return make_env(row, reveal=reveal)
-    return StepContext(model, tokenizer, regime, optimizer, scheduler, rows, graders)
+    return StepContext(model, tokenizer, regime, optimizer, scheduler, rows, list(anchors),
+                       graders)
 
 
 __all__ = ["ROLLOUT_METHODS", "StepContext", "batch_indices", "build_model", "make_step_context",

@@ -51,12 +51,13 @@ class Sample:
     teacher_prompt: list[int] | None = None
     teacher_messages: list[dict[str, str]] | None = None  # the teacher prompt as built
     truncated_tokens: int = 0
+    anchor: bool = False  # an anchor prompt: teacher prompt = student prompt (TrainConfig)
     old_logprobs: Tensor | None = None  # (T,) per-token log-probs at the first update
     token_logratio: list[float] | None = None  # log p_T − log p_S per completion token (nats)
 
 
 def sdft_contexts(row: Row) -> list[PrivilegedContext]:
-    return [PrivilegedContext("demonstration", row.privileged_context)]
+    return [PrivilegedContext(row.context_kind, row.privileged_context)]
 
 
 def sdpo_contexts(group: list[Sample], *, success_threshold: float, sibling_solutions: bool,
@@ -105,33 +106,41 @@ def method_loss(method: str, samples: list[Sample], x: LossInputs, loss_cfg: Any
         return nll, {"nll": nll.item()}
 
     terms: list[Tensor] = []
-    if method in ("sdft", "sdpo"):
-        weight = loss_cfg.distillation_weight if method == "sdpo" else 1.0
-        distill, m, adv = _distillation(logp, old, x, loss_cfg, update)
+    # Distillation over the rows with a teacher prompt: the method's context rows (sdft/sdpo)
+    # and the anchor rows (any rollout method).
+    weight = loss_cfg.distillation_weight if method == "sdpo" else 1.0
+    if method in ("sdft", "sdpo") or x.ctx_rows.numel():
+        anchor = torch.tensor([samples[r].anchor for r in x.ctx_rows.tolist()], dtype=torch.bool,
+                              device=logp.device)
+        distill, m, adv = _distillation(logp, old, x, loss_cfg, update, anchor)
         metrics.update(m)
         if update == 0 and adv is not None:  # token-level credit, kept for the trace store
             for j, row in enumerate(x.ctx_rows.tolist()):
                 samples[row].token_logratio = adv[j][mask[row]].tolist()
         if weight > 0:
             terms.append(weight * distill)
-    else:
-        weight = 0.0
+    graded = [i for i, s in enumerate(samples) if s.reward is not None]  # never anchors
     if method == "grpo" or (method == "sdpo" and weight < 1):
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        pg_weight = 1.0 if method == "grpo" else 1.0 - weight
+        rewards = torch.tensor([samples[i].reward for i in graded], dtype=torch.float32,
+                               device=logp.device)
         adv = group_advantages(rewards, group_size)
-        pg = masked_mean(policy_gradient_objective(logp, old, adv, clip_eps=loss_cfg.clip_eps),
-                         mask)
+        n = len(graded)  # graded attempts come first, in whole groups
+        pg = masked_mean(policy_gradient_objective(logp[:n], old[:n], adv,
+                                                   clip_eps=loss_cfg.clip_eps), mask[:n])
         metrics["pg_loss"] = pg.item()
-        terms.append((1.0 - weight) * pg)
+        terms.append(pg_weight * pg)
     loss = torch.stack(terms).sum() if terms else logp.sum() * 0.0
     return loss, metrics
 
 
-def _distillation(logp: Tensor, old: Tensor, x: LossInputs, cfg: Any,
-                  update: int) -> tuple[Tensor, dict[str, float], Tensor | None]:
-    """Token-mean divergence over rows with teacher context (importance-corrected after the first
-    update); rows without context contribute nothing. Also returns the per-token log-ratio
-    log p_T − log p_S of the context rows, (B_ctx, T), detached."""
+def _distillation(logp: Tensor, old: Tensor, x: LossInputs, cfg: Any, update: int,
+                  anchor: Tensor) -> tuple[Tensor, dict[str, float], Tensor | None]:
+    """Divergence over the rows with a teacher prompt (importance-corrected after the first update):
+    token mean over the task rows + `anchor_weight` × token mean over the anchor rows (`anchor`,
+    (B_ctx,) bool). Rows without a teacher prompt contribute nothing. Metrics: `distill_loss`
+    (task rows) and `anchor_distill_loss` (drift from the teacher on general prompts). Also
+    returns the per-token log-ratio log p_T − log p_S of the rows, (B_ctx, T), detached."""
     if x.teacher_logits is None or x.ctx_rows.numel() == 0:
         return logp.sum() * 0.0, {"distill_loss": 0.0}, None
     rows = x.ctx_rows
@@ -146,12 +155,19 @@ def _distillation(logp: Tensor, old: Tensor, x: LossInputs, cfg: Any,
                                        add_tail=cfg.add_tail, chunk_size=cfg.chunk_size)
     if update > 0:
         per_tok = per_tok * importance_weights(logp[rows], old[rows], cfg.importance_clip)
-    loss = masked_mean(per_tok, mask)
+    # Task rows and anchor rows are two token means, so `anchor_weight` sets their balance
+    # whatever their lengths; with no anchors this is the plain token mean.
+    a_mask = mask & anchor[:, None]
+    t_mask = mask & ~a_mask
+    loss = masked_mean(per_tok, t_mask) + cfg.anchor_weight * masked_mean(per_tok, a_mask)
     with torch.no_grad():
-        div = masked_mean(per_tok.detach(), mask)
+        div = masked_mean(per_tok.detach(), t_mask)
         adv = advantage[mask]
+        split = {}
+        if anchor.any():
+            split = {"anchor_distill_loss": float(masked_mean(per_tok.detach(), a_mask))}
     return loss, {
-        "distill_loss": float(div),
+        "distill_loss": float(div), **split,
         # Token-level credit: the per-token log-ratio log p_T − log p_S on the sampled tokens.
         "advantage_mean": float(adv.mean()) if adv.numel() else 0.0,
         "advantage_min": float(adv.min()) if adv.numel() else 0.0,

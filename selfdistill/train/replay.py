@@ -29,7 +29,14 @@ from selfdistill.store.models import Checkpoint
 from selfdistill.teacher import make_regime
 from selfdistill.train.checkpoint import load_state, load_weights_into
 from selfdistill.train.config import TrainConfig
-from selfdistill.train.loop import PhaseTimer, build_model, cpt_prompt, score_batch, update_loss
+from selfdistill.train.loop import (
+    PhaseTimer,
+    build_model,
+    cpt_prompt,
+    precision,
+    score_batch,
+    update_loss,
+)
 from selfdistill.train.methods import Sample
 from selfdistill.train.traces import weights_sha256
 
@@ -89,6 +96,7 @@ def _samples(cfg: TrainConfig, tok: Any, attempts: list[dict[str, Any]]) -> list
         reward = rollout[0]["reward"] if rollout else None
         s = Sample(-1, row, group, prompt, list(a["completion_ids"]), a["completion"], reward)
         if a["teacher_contexts"]:
+            s.anchor = "anchor" in a["teacher_contexts"][0]["kinds"]
             s.teacher_messages = a["teacher_contexts"][0]["messages"]
             s.teacher_prompt = prompt_ids(tok, s.teacher_messages)
         out.append(s)
@@ -118,10 +126,11 @@ def replay_step(store: TraceStore, run_id: str, step: int, *,
         load_weights_into(model, ckpt / "weights")
         regime.load_state_dict(load_state(ckpt)["regime"])
     samples = _samples(cfg, tok, batch["attempts"])
-    ctx_rows, teacher_logits, sb = score_batch(regime, model, samples, tok.pad_token_id,
-                                               PhaseTimer())
-    with torch.no_grad():
-        loss, _ = update_loss(cfg, model, samples, sb, teacher_logits, ctx_rows, update=0)
+    with precision(cfg, model):
+        ctx_rows, teacher_logits, sb = score_batch(regime, model, samples, tok.pad_token_id,
+                                                   PhaseTimer())
+        with torch.no_grad():
+            loss, _ = update_loss(cfg, model, samples, sb, teacher_logits, ctx_rows, update=0)
     replayed = loss.item()
     return {"run_id": run_id, "step": step, "checkpoint": "base" if ckpt is None else str(ckpt),
             "logged_loss": logged, "replayed_loss": replayed, "abs_diff": abs(replayed - logged),

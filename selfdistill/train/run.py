@@ -31,11 +31,13 @@ from selfdistill.train.config import REQUIRED_COLUMNS, TrainConfig
 from selfdistill.train.loop import build_model, make_step_context, train_step
 from selfdistill.train.metrics import MetricsLogger
 
-BUILTIN_PROBES = Path(__file__).resolve().parent.parent / "data" / "probes.jsonl"
+_DATA = Path(__file__).resolve().parent.parent / "data"
+BUILTIN_PROBES = _DATA / "probes.jsonl"
+BUILTIN_ANCHORS = _DATA / "anchors.jsonl"
 
 
-def load_datasets(cfg: TrainConfig) -> tuple[list[Row], dict[str, list[Row]]]:
-    """Training rows and evaluation suites, validated before any model is loaded.
+def load_datasets(cfg: TrainConfig) -> tuple[list[Row], dict[str, list[Row]], list[Row]]:
+    """Training rows, evaluation suites and anchor prompts, validated before any model is loaded.
 
     Suites: "train" (the training rows that carry an `answer`, or `tests`: code problems,
     scored by their tests), each `eval_data` entry, and "probes" (forgetting probes) unless
@@ -60,11 +62,15 @@ def load_datasets(cfg: TrainConfig) -> tuple[list[Row], dict[str, list[Row]]]:
     if cfg.gate.task not in suites:
         raise UserError(f"gate.task={cfg.gate.task!r} is not an evaluation suite; "
                         f"suites: {sorted(suites)} (add it under eval_data)")
-    return rows, suites
+    anchors: list[Row] = []
+    if cfg.anchor_batch_size:
+        path = BUILTIN_ANCHORS if cfg.anchor_data == "builtin" else cfg.anchor_data
+        anchors = load_rows(path, require=("prompt",), purpose="anchor")
+    return rows, suites, anchors
 
 
 def _oracle_messages(row: Row) -> list[dict[str, str]]:
-    ctx = [PrivilegedContext("demonstration", row.privileged_context)]
+    ctx = [PrivilegedContext(row.context_kind, row.privileged_context)]
     return build_teacher_messages(row.messages, ctx).messages
 
 
@@ -96,7 +102,7 @@ def run_training(cfg: TrainConfig, *, resume: bool = False, progress: bool = Tru
     """Run (or resume) the job described by `cfg`; returns the summary also written to
     `OUTPUT_DIR/summary.json`."""
     t_total = time.perf_counter()
-    rows, suites = load_datasets(cfg)
+    rows, suites, anchors = load_datasets(cfg)
     run_dir = Path(cfg.output_dir)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if not resume and (run_dir / "checkpoints" / "index.jsonl").exists():
@@ -109,7 +115,7 @@ def run_training(cfg: TrainConfig, *, resume: bool = False, progress: bool = Tru
         torch.set_num_threads(cfg.threads)
 
     model, tok, model_path = build_model(cfg, progress=progress)
-    ctx = make_step_context(cfg, model, tok, rows)
+    ctx = make_step_context(cfg, model, tok, rows, anchors)
     try:
         return _train_and_evaluate(cfg, ctx, run_dir, ckpt, suites, config_yaml, model_path,
                                    t_total, progress)
@@ -194,6 +200,12 @@ def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | 
         "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_total,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if cfg.registry is not None:  # needs summary.json; promotion stays a separate, gated act
+        from selfdistill.registry import Registry
+
+        reg = Registry(None if cfg.registry == "default" else cfg.registry)
+        summary["proposed_version"] = reg.propose(run_dir, scope=cfg.scope)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (run_dir / "eval_after.json").write_text(json.dumps(after, indent=2, ensure_ascii=False))
     metrics = logger.read()
     write_report(run_dir, summary, metrics)

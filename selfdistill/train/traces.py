@@ -110,7 +110,8 @@ class TraceRecorder:
             if s.teacher_messages is not None:
                 w.add_teacher_contexts([{
                     "attempt_id": aid, "messages": s.teacher_messages,
-                    "kinds": [c.kind for c in s.contexts],
+                    # An anchor's teacher sees the bare prompt: recorded as kind "anchor".
+                    "kinds": ["anchor"] if s.anchor else [c.kind for c in s.contexts],
                     "feedback_ids": feedback_ids if any(c.kind == "feedback"
                                                         for c in s.contexts) else [],
                     "truncated_tokens": s.truncated_tokens}])
