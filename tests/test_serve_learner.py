@@ -122,3 +122,85 @@ def test_adversarial_tenant_is_caught_by_forgetting_probes(gullible, tmp_path):
         assert "Paris" in res.choices[0].message.content and res.selfdistill["version"] is None
     finally:
         s.stop()
+
+
+# -- crash during learning -------------------------------------------------------------------------
+
+
+def _start(home, model_dir, port: int, *overrides: str):
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    log = (home / f"server-{port}.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "selfdistill", "--quiet", "serve", f"model={model_dir}",
+         f"home={home}", f"port={port}", f"admin_token={serve_world.TOKEN}", "threads=1",
+         "learner.threshold=0", "learner.lora_rank=4", "learner.max_new_tokens=8",
+         "governance.consent_default=true", *overrides],
+        stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        assert proc.poll() is None, (home / f"server-{port}.log").read_text()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("server did not come up")
+
+
+@pytest.mark.slow  # two server processes start (~30-60 s on the shared 2-core machine)
+def test_crash_during_learning_keeps_versions_and_feedback(tiny_dir, tmp_path):
+    import signal
+    import time
+
+    import httpx
+    from openai import OpenAI
+
+    from selfdistill.registry import Registry
+    from selfdistill.serve import state
+    from tests.test_serve import propose
+
+    home = tmp_path / "home"
+    with Registry(home / "registry.db", weights_dir=home / "adapters") as reg:
+        bob = propose(reg, tiny_dir, tmp_path / "bob-run", "user:bob", seed=3)
+        reg.promote(bob, force=True)
+    port = serve_world.free_port()
+    proc = _start(home, tiny_dir, port, "learner.every_lessons=1", "learner.steps=100000",
+                  "learner.poll_seconds=0.1")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        res = chat(client, "alice", "What is the capital of Veloria?")
+        fb = httpx.post(f"{url}/v1/feedback", json={
+            "completion_id": res.id, "text": "It is Marquenta.", "user": "alice"}).json()
+        assert fb["status"] == "accepted"
+        deadline = time.time() + 60
+        while httpx.get(f"{url}/admin/learner", headers=ADMIN).json()["learning"] != "user:alice":
+            assert time.time() < deadline, "the learner never started the round"
+            time.sleep(0.1)
+        time.sleep(0.5)  # in the middle of training
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    with Registry(home / "registry.db", weights_dir=home / "adapters") as reg:
+        assert reg.resolve(user="bob").version == bob and reg.resolve(user="alice").version is None
+        [kept] = state.lessons(reg.store.session, scope="user:alice")
+        assert kept["id"] == fb["id"] and kept["status"] == "accepted"
+    port = serve_world.free_port()
+    proc = _start(home, tiny_dir, port, "learner.enabled=false", "learner.steps=2",
+                  "learner.every_lessons=1")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        assert chat(client, "bob", "Hi").selfdistill["version"] == bob
+        [rnd] = httpx.post(f"{url}/admin/learner/tick", headers=ADMIN, timeout=120).json()[
+            "rounds"]
+        assert rnd["lesson_ids"] == [fb["id"]] and rnd["error"] is None
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -125,6 +125,10 @@ class Learner:
         row["seconds"] = time.perf_counter() - t0
         rnd = state.finish_round(svc.sessions, [x["id"] for x in lessons], id=round_id, **row)
         self.status["rounds"] += 1
+        verdict = (rnd.get("verdict") or {}).get("summary") or rnd.get("error")
+        log.info("round %s: %s, %d lessons → %s, promoted=%s (%s), %.1f s", round_id[:12], scope,
+                 len(lessons), (rnd["version_id"] or "-")[:12], rnd["promoted"], verdict,
+                 rnd["seconds"])
         return rnd
 
     def _train(self, scope: str, lessons: list[dict], run_dir: Path,

@@ -41,7 +41,8 @@ def serve(cfg: ServeConfig, *, ready: Any = None) -> None:
 
     from selfdistill.serve.app import create_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("selfdistill").setLevel(logging.INFO)
     service = build_service(cfg)
     app = create_app(service)
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
