@@ -7,7 +7,7 @@ percentiles (time to first token, whole request).
     python benchmarks/serve_load.py --model default --clients 8 --seconds 120
     python benchmarks/serve_load.py --quick               # 4 clients, 5 s (the CI smoke run)
 
-Every client is a user with consent; each sends a streaming chat request, then, every
+Clients are spread over `--users` tenants, all with consent; each sends a streaming chat request, then, every
 `--feedback-every` requests, feedback on the completion it got (which the learner turns into
 lessons, rounds and promotions). The server runs in its own process (`selfdistill serve`).
 """
@@ -19,6 +19,7 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,7 @@ async def wait_up(root: str, proc: subprocess.Popen, timeout: float = 300) -> No
 
 async def client(i: int, root: str, args: argparse.Namespace, stop: float, out: dict) -> None:
     """One user: streaming chat requests back to back, feedback every few requests."""
-    user = f"bench{i}"
+    user = f"bench{i % args.users}"
     async with httpx.AsyncClient(base_url=root, timeout=120) as c:
         n = 0
         while time.time() < stop:
@@ -156,8 +157,11 @@ async def run(args: argparse.Namespace) -> dict:
     finally:
         proc.terminate()
         proc.wait(60)
+        if not args.keep:
+            shutil.rmtree(home, ignore_errors=True)
     return {
-        "clients": args.clients, "seconds": round(wall, 1), "model": args.model,
+        "clients": args.clients, "users": args.users, "seconds": round(wall, 1),
+        "model": args.model,
         "requests": len(out["total_ms"]) + len(out["failures"]),
         "failed": len(out["failures"]), "failures": out["failures"][:10],
         "feedback_acknowledged": len(out["acked"]), "feedback_stored": stored,
@@ -176,14 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny", help="'tiny' (random, default), 'default' (the "
                    "embedded SmolLM2-135M-Instruct) or a model directory")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--feedback-every", type=int, default=3)
-    p.add_argument("--every-lessons", type=int, default=6, help="learner: lessons per round")
+    p.add_argument("--users", type=int, default=5, help="tenants the clients are spread over")
+    p.add_argument("--feedback-every", type=int, default=2)
+    p.add_argument("--every-lessons", type=int, default=4, help="learner: lessons per round")
     p.add_argument("--learn-steps", type=int, default=2, help="learner: steps per round")
     p.add_argument("--quick", action="store_true", help="4 clients for 5 s (smoke test)")
     p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--keep", action="store_true", help="keep the server's state directory")
     args = p.parse_args(argv)
     if args.quick:
-        args.clients, args.seconds, args.every_lessons = 4, 5.0, 2
+        args.clients, args.seconds, args.users, args.every_lessons = 4, 5.0, 2, 2
     res = asyncio.run(run(args))
     text = json.dumps(res, indent=2)
     print(text)

@@ -10,6 +10,7 @@ from sqlalchemy import func, select
 
 from selfdistill.models import attach_lora, load_model
 from selfdistill.registry import Registry
+from selfdistill.serve import state
 from selfdistill.store.serve_models import ServeCompletion, ServeLesson
 from tests import serve_world
 from tests.serve_world import ADMIN, Server, config
@@ -208,3 +209,28 @@ def test_malformed_bodies(server):
     with pytest.raises(BadRequestError):
         client.chat.completions.create(model="default", messages=[{"role": "tool",
                                                                    "content": "x"}])
+
+
+def test_every_candidate_is_scored_and_only_those_above_the_threshold_kept(server):
+    client = server.client()
+    server.http.post("/v1/consent", json={"user": "frank", "learning": True})
+    server.http.post("/admin/tenants/user:frank/pause", headers=ADMIN)  # score, do not learn
+    first = ask(client, "Draft an email to Ann", user="frank").parse()
+    convo = [{"role": "user", "content": "Draft an email to Ann"},
+             {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "What is 27*4?"}]
+    client.chat.completions.create(model="default", messages=convo, max_tokens=2, user="frank")
+    [implicit] = state.lessons(server.service.sessions, scope="user:frank")
+    assert implicit["status"] == "pending" and implicit["completion_id"] == first.id
+    server.service.cfg.learner.threshold = 1e9  # nothing is a lesson now
+    try:
+        assert server.http.post("/admin/learner/tick", headers=ADMIN).json()["rounds"] == []
+        fb = server.http.post("/v1/feedback", json={"completion_id": first.id, "user": "frank",
+                                                    "text": "Shorter, please."}).json()
+    finally:
+        server.service.cfg.learner.threshold = 0.0
+    assert fb["status"] == "rejected" and fb["score"] > 0
+    rows = {r.id: r for r in server.service.sessions().query(ServeLesson).filter_by(
+        scope="user:frank")}
+    assert rows[implicit["id"]].status == "rejected" and rows[implicit["id"]].score > 0
+    assert rows[implicit["id"]].threshold == 1e9 and rows[fb["id"]].status == "rejected"
