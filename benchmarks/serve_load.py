@@ -7,9 +7,9 @@ percentiles (time to first token, whole request).
     python benchmarks/serve_load.py --model default --clients 8 --seconds 120
     python benchmarks/serve_load.py --quick               # 4 clients, 5 s (the CI smoke run)
 
-Clients are spread over `--users` tenants, all with consent; each sends a streaming chat request, then, every
-`--feedback-every` requests, feedback on the completion it got (which the learner turns into
-lessons, rounds and promotions). The server runs in its own process (`selfdistill serve`).
+Clients are spread over `--users` tenants, all with consent; each sends streaming chat
+requests back to back and, every `--feedback-every` requests, feedback on the completion it got
+(which the learner turns into lessons, rounds and promotions). The server runs in its own process (`selfdistill serve`).
 """
 
 from __future__ import annotations
