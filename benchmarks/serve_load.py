@@ -9,7 +9,8 @@ percentiles (time to first token, whole request).
 
 Clients are spread over `--users` tenants, all with consent; each sends streaming chat
 requests back to back and, every `--feedback-every` requests, feedback on the completion it got
-(which the learner turns into lessons, rounds and promotions). The server runs in its own process (`selfdistill serve`).
+(which the learner turns into lessons, rounds and promotions). The server runs in its own
+process (`selfdistill serve`).
 """
 
 from __future__ import annotations
