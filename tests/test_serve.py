@@ -234,3 +234,52 @@ def test_every_candidate_is_scored_and_only_those_above_the_threshold_kept(serve
         scope="user:frank")}
     assert rows[implicit["id"]].status == "rejected" and rows[implicit["id"]].score > 0
     assert rows[implicit["id"]].threshold == 1e9 and rows[fb["id"]].status == "rejected"
+
+
+def test_hot_swap_keeps_in_flight_requests_on_their_adapter(server, tiny_dir, tmp_path):
+    import json
+
+    reg = server.service.registry
+    v1 = propose(reg, tiny_dir, tmp_path / "g1", "user:gina", seed=11)
+    v2 = propose(reg, tiny_dir, tmp_path / "g2", "user:gina", seed=12)
+    reg.promote(v1, force=True)
+    body = {"model": "default", "user": "gina", "stream": True, "max_tokens": 24,
+            "temperature": 0, "messages": [{"role": "user", "content": "Tell me a story"}]}
+    text, versions = "", set()
+    with server.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        for line in lines:  # the stream has started on v1 ...
+            if line.startswith("data: {"):
+                versions.add(json.loads(line[6:])["selfdistill"]["version"])
+                break
+        reg.promote(v2, force=True)  # ... then v2 is promoted and loaded (hot swap)
+        server.service.ensure_version(v2)
+        for line in lines:
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                versions.add(chunk["selfdistill"]["version"])
+                text += chunk["choices"][0]["delta"].get("content") or ""
+    assert versions == {v1}
+    after = server.client().chat.completions.create(**{**body, "stream": False})
+    assert after.selfdistill["version"] == v2
+    reg.rollback("user:gina")  # back to v1: the same greedy text as the in-flight request
+    again = server.client().chat.completions.create(**{**body, "stream": False})
+    assert again.selfdistill["version"] == v1 and again.choices[0].message.content == text
+    # Decoding steps of requests on different adapters interleave under the engine's lock; each
+    # step selects its request's adapter, so a request never decodes with another's weights.
+    from selfdistill.serve.generation import Generation
+
+    eng = server.service.engine
+    ids = server.service.prompt([{"role": "user", "content": "Tell me a story"}])
+    with eng.pin(v1):
+        alone = Generation(eng, ids, v1, 12, temperature=0).run()
+        mixed = Generation(eng, ids, v1, 12, temperature=0)
+        steps = iter(mixed)
+        head = [next(steps) for _ in range(4)]
+        with eng.pin(v2):
+            other = Generation(eng, ids, v2, 12, temperature=0).run()
+        rest = list(steps)
+    assert len(head) == 4 and rest
+    assert [t.id for t in mixed.tokens] == [t.id for t in alone.tokens]
+    assert [t.logprob for t in mixed.tokens] == [t.logprob for t in alone.tokens]
+    assert [t.id for t in other.tokens] != [t.id for t in alone.tokens]
