@@ -283,3 +283,19 @@ def test_hot_swap_keeps_in_flight_requests_on_their_adapter(server, tiny_dir, tm
     assert [t.id for t in mixed.tokens] == [t.id for t in alone.tokens]
     assert [t.logprob for t in mixed.tokens] == [t.logprob for t in alone.tokens]
     assert [t.id for t in other.tokens] != [t.id for t in alone.tokens]
+
+
+def test_cli_tenants_delete_and_help_config(tmp_path, capsys):
+    import json
+
+    from selfdistill.cli import main
+
+    assert main(["serve", "--help-config"]) == 0
+    assert "learner.threshold" in capsys.readouterr().out
+    assert main(["tenants", "delete"]) == 2
+    assert "name the tenant" in capsys.readouterr().err
+    assert main(["serve", "nosuch.yaml"]) == 2
+    assert main(["tenants", "delete", "user:zed", "--set", f"home={tmp_path}"]) == 0
+    proof = json.loads(capsys.readouterr().out)
+    assert proof["deleted"] is True and set(proof["removed"].values()) == {0}
+    assert main(["tenants", "list", "--set", f"home={tmp_path}"]) == 0
