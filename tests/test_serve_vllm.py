@@ -129,6 +129,15 @@ def test_runtime_lora_load_use_unload(server, lora_dir, tiny_dir):
     assert lps == pytest.approx(raw_logprobs(peft, PROMPT, toks), abs=1e-4)
     base = complete(server, **body)["choices"][0]["logprobs"]["token_logprobs"]
     assert base != pytest.approx(lps, abs=1e-3)  # the adapter is really applied
+    # load_inplace: the same name now serves other weights (here: the base's, a zero adapter)
+    zero = lora_dir.parent / "zero"
+    peft = load_model(str(tiny_dir), progress=False).model
+    attach_lora(peft, rank=4).save_pretrained(zero)  # B = 0: exactly the base
+    r = server.http.post("/v1/load_lora_adapter", json={
+        "lora_name": "student-v1", "lora_path": str(zero), "load_inplace": True})
+    assert r.status_code == 200
+    swapped = server.http.post("/v1/completions", json={"model": "student-v1", **body}).json()
+    assert swapped["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(base, abs=1e-5)
     r = server.http.post("/v1/unload_lora_adapter", json={"lora_name": "student-v1"})
     assert r.status_code == 200
     gone = server.http.post("/v1/completions", json={"model": "student-v1", **body})
