@@ -299,3 +299,21 @@ def test_cli_tenants_delete_and_help_config(tmp_path, capsys):
     proof = json.loads(capsys.readouterr().out)
     assert proof["deleted"] is True and set(proof["removed"].values()) == {0}
     assert main(["tenants", "list", "--set", f"home={tmp_path}"]) == 0
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/v1/feedback", {"text": "x", "user": "carol"}, 400, "completion_id"),
+    ("/v1/feedback", {"completion_id": "c", "text": "", "user": "carol"}, 400, "text"),
+    ("/v1/feedback", {"completion_id": "c", "text": "x", "rating": 5, "user": "carol"}, 400,
+     "rating"),
+    ("/v1/feedback", {"completion_id": "c", "text": "x", "user": "carol"}, 404, "completion_id"),
+    ("/v1/feedback", {"completion_id": "c", "text": "x"}, 400, "user"),
+    ("/v1/completions", {"model": "default"}, 400, "prompt"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/consent", {"user": "carol"}, 400, "learning"),
+])
+def test_malformed_feedback_and_completions(server, path, body, status, param):
+    r = server.http.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
