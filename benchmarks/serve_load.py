@@ -66,6 +66,7 @@ def start_server(args: argparse.Namespace, home: Path, model: str, port: int) ->
            f"learner.every_lessons={args.every_lessons}", f"learner.steps={args.learn_steps}",
            "learner.threshold=0", "learner.poll_seconds=0.5", "learner.lora_rank=4",
            "learner.max_new_tokens=8", "learner.gate_max_new_tokens=8",
+           "learner.anchor_batch_size=0",
            f"limits.max_tokens={max(args.max_tokens, 16)}"]
     log = (home / "server.log").open("w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

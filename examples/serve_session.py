@@ -29,12 +29,15 @@ QUESTION = "What is the capital of Veloria?"
 CORRECTION = "That is wrong. The capital of Veloria is Marquenta."
 
 
-def start(model: str, home: Path, port: int, steps: int) -> subprocess.Popen:
+def start(model: str, home: Path, port: int, steps: int, anchors: int,
+          precision: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "selfdistill", "--quiet", "serve", f"model={model}",
            f"home={home}", f"port={port}", f"admin_token={TOKEN}", "learner.enabled=false",
            "governance.consent={'user:alice': true}", "learner.every_lessons=4",
            f"learner.steps={steps}", "learner.batch_size=4", "learner.learning_rate=3e-3",
-           "learner.lora_rank=16", "learner.max_new_tokens=24"]
+           "learner.lora_rank=16", "learner.max_new_tokens=24",
+           f"learner.anchor_batch_size={anchors}", "learner.anchor_weight=2",
+           f"learner.precision={precision}"]
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
     for _ in range(1200):
         if proc.poll() is not None:
@@ -52,13 +55,15 @@ def main() -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--home", default=None, help="server state directory (default: a temp dir)")
     p.add_argument("--steps", type=int, default=10, help="learner steps per round")
+    p.add_argument("--anchors", type=int, default=8, help="anchor prompts per learner step")
+    p.add_argument("--precision", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=None, help="write the transcript as JSON here")
     args = p.parse_args()
     home = Path(args.home or tempfile.mkdtemp(prefix="serve-session-"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = start(args.model, home, port, args.steps)
+    proc = start(args.model, home, port, args.steps, args.anchors, args.precision)
     log: list[dict] = []
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)

@@ -158,7 +158,8 @@ class Learner:
             temperature=c.temperature, probe_data=None, checkpoint_every=0, scope=scope,
             anchor_data="builtin" if c.anchor_batch_size else None,
             anchor_batch_size=c.anchor_batch_size, threads=c.threads, device="cpu",
-            lora={"rank": c.lora_rank, "alpha": 2.0 * c.lora_rank},
+            lora={"rank": c.lora_rank, "alpha": 2.0 * c.lora_rank}, precision=c.precision,
+            loss={"anchor_weight": c.anchor_weight},
             eval={"oracle": False})
         model, tok, path = build_model(cfg, progress=False)
         if parent_id is not None:
