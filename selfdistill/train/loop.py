@@ -236,16 +236,17 @@ def score_batch(regime: Any, model: Any, samples: list[Sample], pad: int,
     row indices, and the packed student batch. Shared by `train_step` and `traces replay`."""
     ctx_rows = [i for i, s in enumerate(samples) if s.teacher_prompt is not None]
     device = next(model.parameters()).device
+    sb = build_batch([s.prompt for s in samples], [s.completion for s in samples], pad,
+                     device=device)
+    width = sb.completion_ids.shape[1]  # the longest completion may be a row without context
     teacher_logits = None
     if ctx_rows:
         with timer("teacher"):
             tb = build_batch([samples[i].teacher_prompt for i in ctx_rows],
-                             [samples[i].completion for i in ctx_rows], pad, device=device)
+                             [samples[i].completion for i in ctx_rows], pad, device=device,
+                             completion_width=width)
             teacher_logits = regime.teacher_logits(
-                model, tb.input_ids, tb.attention_mask, tb.position_ids,
-                tb.completion_ids.shape[1] + 1)[:, :-1].float()
-    sb = build_batch([s.prompt for s in samples], [s.completion for s in samples], pad,
-                     device=device)
+                model, tb.input_ids, tb.attention_mask, tb.position_ids, width + 1)[:, :-1].float()
     return ctx_rows, teacher_logits, sb
 
 
