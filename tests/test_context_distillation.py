@@ -72,3 +72,25 @@ def test_a_rule_can_replace_the_answer_and_both_must_hold(tmp_path):
     assert row_correct(rule_only, "Ahoy! Anything.") and not row_correct(rule_only, "Paris.")
     assert row_correct(both, "Ahoy, Paris.")
     assert not row_correct(both, "Ahoy, Rome.") and not row_correct(both, "Paris.")
+
+
+def test_instructions_go_into_the_user_turn():
+    ctx = PrivilegedContext("instructions", "Begin with 'Dear friend,'.")
+    msgs = build_teacher_messages("Why is the sky blue?", [ctx]).messages
+    assert msgs == [{"role": "user", "content": "Why is the sky blue?\n\nInstructions for your "
+                     "reply: Begin with 'Dear friend,'.\n\nNow answer the request."}]
+
+
+def test_the_bundled_example_loads_and_every_row_is_checked_by_its_rule():
+    from selfdistill.train import load_config
+    from selfdistill.train.run import load_datasets
+
+    cfg = load_config(EXAMPLES / "context_distillation.yaml")
+    rows, suites, _ = load_datasets(cfg)
+    assert set(suites) == {"train", "heldout", "probes"} and len(suites["train"]) == len(rows)
+    train_prompts = {r.messages[-1]["content"] for r in rows}
+    for row in rows + suites["heldout"]:
+        assert row.context_kind == "instructions" and row.rule is not None
+        assert row_correct(row, "Dear friend, the sky is blue.")
+        assert not row_correct(row, "The sky is blue.")
+    assert not train_prompts & {r.messages[-1]["content"] for r in suites["heldout"]}

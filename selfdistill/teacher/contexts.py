@@ -5,7 +5,11 @@ have. The privileged context is written into the LAST user turn; system messages
 are kept as they are, so student and teacher differ only in that one turn. The one exception is a
 `system_prompt` context (context distillation: make a long system prompt permanent): it becomes
 the system message, put before the student's own system message if there is one, so the teacher
-sees exactly the prompt a deployment with that system prompt would send.
+sees exactly the prompt a deployment with that system prompt would send. Small models often
+ignore their system message: `instructions` puts the same kind of standing instructions into the
+last user turn instead. Measured on the default model (40 prompts, greedy): "Start every reply
+with 'Dear friend,'." as the system message was followed 0 % of the time, as `instructions` in
+the user turn 85 %, and never without it.
 
 Templates follow the reference implementations, reworded for a small chat model:
 - SDPO ("Reinforcement Learning via Self-Distillation", github.com/lasgroup/SDPO) builds
@@ -38,7 +42,7 @@ from selfdistill.chat import Message, to_messages
 
 KINDS = (
     "demonstration", "fact", "solution", "feedback", "ground_truth", "user_followup",
-    "system_prompt",
+    "system_prompt", "instructions",
 )
 # Feedback kinds that environments report (see DESIGN.md); all are rendered as `feedback`.
 FEEDBACK_ALIASES = ("test_failure", "runtime_error", "reviewer_note")
@@ -88,6 +92,7 @@ class ContextTemplates:
         "\n\n(The user's reaction to a previous answer: {text} Take it into account.)"
     )
     system_prompt: str = "{text}"  # the whole system message (see module docstring)
+    instructions: str = "\n\nInstructions for your reply: {text}"
     wrapper: str = "{prompt}{context}\n\nNow answer the request."
 
     def __post_init__(self) -> None:
