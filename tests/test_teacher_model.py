@@ -179,3 +179,31 @@ def test_align_vocab_cuts_or_pads_with_zero_probability():
     assert wide.shape == (2, 3, 7) and torch.equal(wide[..., :5], logits)
     probs = wide.softmax(-1)
     assert torch.all(probs[..., 5:] == 0) and torch.isfinite(wide.log_softmax(-1)).all()
+
+
+def test_a_full_run_with_another_teacher_resumes_and_replays(tiny_dir, other_dir, tmp_path,
+                                                            capsys):
+    """`selfdistill train` end to end with teacher.regime=model: the checkpoint records the
+    teacher's path (not its weights), and `traces replay` reloads the teacher and matches."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from selfdistill.train import run_training
+    from selfdistill.train.checkpoint import latest_checkpoint, load_state
+
+    out = tmp_path / "run"
+    cfg = load_config(None, [
+        f"model={tiny_dir}", f"train_data={KNOWLEDGE / 'train.jsonl'}", f"output_dir={out}",
+        "steps=2", "batch_size=2", "max_new_tokens=6", "eval.max_new_tokens=4",
+        "eval.oracle=false", "probe_data=null", "checkpoint_every=1", "threads=1",
+        "teacher.regime=model", f"teacher.model={other_dir}", "teacher.dtype=bfloat16"])
+    summary = run_training(cfg, progress=False)
+    assert summary["config"]["teacher"]["model"] == other_dir
+    state = load_state(latest_checkpoint(out))["regime"]
+    assert state == {"name": "model", "path": other_dir}
+    saved = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)  # the adapter only, no teacher weights
+    assert main(["traces", "replay", str(out), "--step", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["match"] is True, result
