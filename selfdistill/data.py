@@ -6,7 +6,8 @@ Row formats (README "Data formats"):
 - demonstration row: `{"prompt": ..., "privileged_context": str, "context_kind"?: str,
   "answer"?: ...}`; `context_kind` says how the teacher is shown the context (a kind of
   `selfdistill.teacher.KINDS`: "demonstration", the default, is an example response; "fact" is
-  background knowledge the answer needs; "system_prompt" becomes the teacher's system message).
+  background knowledge the answer needs; "system_prompt" becomes the teacher's system message,
+  "instructions" standing instructions in the user turn).
 - a row may carry `"rule": {...}` (see `selfdistill.rules`): a format check; where an `answer`
   is required, a `rule` may take its place, and a row with a rule is correct when its
   completion follows the rule (and contains an answer, if it also has one).
