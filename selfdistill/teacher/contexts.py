@@ -7,9 +7,9 @@ are kept as they are, so student and teacher differ only in that one turn. The o
 the system message, put before the student's own system message if there is one, so the teacher
 sees exactly the prompt a deployment with that system prompt would send. Small models often
 ignore their system message: `instructions` puts the same kind of standing instructions into the
-last user turn instead. Measured on the default model (40 prompts, greedy): "Start every reply
-with 'Dear friend,'." as the system message was followed 0 % of the time, as `instructions` in
-the user turn 85 %, and never without it.
+last user turn instead. Measured on the default model (greedy, docs/distillation.md): "Start
+every reply with 'Dear friend,'." as the system message was followed on 0 of 40 questions, after
+the question in the user turn on 33 of 40, and never without it.
 
 Templates follow the reference implementations, reworded for a small chat model:
 - SDPO ("Reinforcement Learning via Self-Distillation", github.com/lasgroup/SDPO) builds
