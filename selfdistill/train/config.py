@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from selfdistill.errors import ConfigError
 
 Method = Literal["sdft", "sdpo", "grpo", "sft", "cpt"]
-Regime = Literal["base", "live", "ema", "trust_region"]
+Regime = Literal["base", "live", "ema", "trust_region", "model"]
 Estimator = Literal["full", "topk", "sampled"]
 
 
@@ -36,7 +36,17 @@ class LoraConfig(_Section):
 
 class TeacherConfig(_Section):
     regime: Regime = Field("base", description="teacher weights: base (frozen initial weights, "
-                           "adapter disabled), live (current student), ema, trust_region")
+                           "adapter disabled), live (current student), ema, trust_region, "
+                           "model (another model: teacher.model; on-policy distillation)")
+    model: str | None = Field(None, description="regime=model: the teacher's HF directory (or "
+                              "hub id; 'default' = the embedded model); it must use the "
+                              "student's tokenizer. None = no second model")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="regime=model: the "
+                                                  "teacher's weight and forward precision")
+    context: Literal["same_as_self_distillation", "none"] = Field(
+        "same_as_self_distillation", description="what the teacher reads: the method's "
+        "privileged context (demonstration, feedback, system prompt ...), or none = the "
+        "student's prompt only (classic on-policy distillation; needs regime=model)")
     rate: float = Field(0.05, ge=0, le=1, description="EMA rate r (teacher ← (1−r)·teacher + "
                         "r·student per step) or trust-region mix r (logits = lerp(base, live, r))")
     max_context_tokens: int | None = Field(
@@ -162,6 +172,14 @@ class TrainConfig(_Section):
         if self.method in ("sdpo", "grpo") and self.num_generations < 2:
             raise ValueError(f"method={self.method} compares attempts within a group: "
                              "set num_generations >= 2")
+        if (self.teacher.regime == "model") != (self.teacher.model is not None):
+            raise ValueError("teacher.regime=model and teacher.model go together: name the "
+                             "teacher's model directory with teacher.model=PATH, or pick "
+                             "another regime and drop teacher.model")
+        if self.teacher.context == "none" and self.teacher.regime != "model":
+            raise ValueError("teacher.context=none makes the teacher read the student's own "
+                             "prompt: with the student's weights that is no signal; use "
+                             "teacher.regime=model")
         if self.anchor_batch_size:
             if self.anchor_data is None:
                 raise ValueError("anchor_batch_size > 0 needs anchor_data (a JSONL of prompts, "
@@ -239,6 +257,8 @@ def _resolve_paths(tree: dict[str, Any], base: Path) -> None:
     for key in ("train_data", "probe_data", "anchor_data"):
         if key in tree:
             tree[key] = fix(tree[key])
+    if isinstance(tree.get("teacher"), dict) and "model" in tree["teacher"]:
+        tree["teacher"]["model"] = fix(tree["teacher"]["model"])
     if isinstance(tree.get("eval_data"), dict):
         tree["eval_data"] = {k: fix(v) for k, v in tree["eval_data"].items()}
 

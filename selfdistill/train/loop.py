@@ -24,13 +24,14 @@ import numpy as np
 import torch
 
 from selfdistill.chat import prompt_ids
-from selfdistill.data import Row, is_correct
+from selfdistill.data import Row, is_graded, row_correct
 from selfdistill.rollout import generate
 from selfdistill.teacher import (
     PackedBatch,
     build_batch,
     build_teacher_messages,
     completion_logits,
+    load_teacher,
     make_regime,
 )
 from selfdistill.train.config import TrainConfig
@@ -177,6 +178,10 @@ def attach_contexts(cfg: TrainConfig, ctx: StepContext, samples: list[Sample],
             s.teacher_prompt = prompt_ids(ctx.tokenizer, tp.messages)
             s.teacher_messages = tp.messages
             s.truncated_tokens = tp.truncated_tokens
+    if cfg.teacher.context == "none" and cfg.method in ROLLOUT_METHODS:
+        for s in samples:  # classic on-policy distillation: every rollout, no privileged context
+            s.contexts, s.truncated_tokens = [], 0
+        anchors = anchors + samples
     for s in anchors:  # the teacher sees exactly the student's prompt
         s.teacher_prompt, s.teacher_messages = s.prompt, s.row.messages
 
@@ -284,10 +289,9 @@ def _batch_metrics(samples: list[Sample], ctx_rows: list[int]) -> dict[str, floa
     rewards = [s.reward for s in samples if s.reward is not None]
     if rewards:
         out["reward"] = float(np.mean(rewards))
-    answered = [s for s in samples if s.row.answers]
+    answered = [s for s in samples if is_graded(s.row)]
     if answered and samples[0].text:
-        out["rollout_accuracy"] = float(np.mean([is_correct(s.text, s.row.answers)
-                                                 for s in answered]))
+        out["rollout_accuracy"] = float(np.mean([row_correct(s.row, s.text) for s in answered]))
     return out
 
 
@@ -329,10 +333,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def make_teacher_regime(cfg: TrainConfig, tokenizer: Any) -> Any:
+    """The configured teacher regime; `model` loads the other model once, after checking that
+    its tokenizer is the student's (UserError otherwise)."""
+    if cfg.teacher.regime == "model":
+        return load_teacher(cfg.teacher.model, tokenizer, dtype=cfg.teacher.dtype,
+                            progress=False)
+    return make_regime(cfg.teacher.regime, rate=cfg.teacher.rate)
+
+
 def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[Row],
                       anchors: list[Row] = ()) -> StepContext:
     optimizer, scheduler = make_optimizer(cfg, model)
-    regime = make_regime(cfg.teacher.regime, rate=cfg.teacher.rate)
+    regime = make_teacher_regime(cfg, tokenizer)
     graders = None
     if cfg.method in ("sdpo", "grpo"):
         from selfdistill.envs import make_env
@@ -346,4 +359,4 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
 
 
 __all__ = ["ROLLOUT_METHODS", "StepContext", "batch_indices", "build_model", "make_step_context",
-           "seed_everything", "train_step"]
+           "make_teacher_regime", "seed_everything", "train_step"]

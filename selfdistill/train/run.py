@@ -12,7 +12,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from selfdistill.data import Row, load_rows
+from selfdistill.data import Row, is_graded, load_rows
 from selfdistill.errors import DataError, UserError
 from selfdistill.evals import evaluate
 from selfdistill.evals.code import evaluate_code, has_tests
@@ -51,7 +51,7 @@ def load_datasets(cfg: TrainConfig) -> tuple[list[Row], dict[str, list[Row]], li
                 raise DataError(r.source, None, f"method={cfg.method} needs a grader in every "
                                 "row: an 'answer' (QA) or 'tests' (code)")
     suites: dict[str, list[Row]] = {}
-    answered = [r for r in rows if r.answers or has_tests(r)]
+    answered = [r for r in rows if is_graded(r) or has_tests(r)]
     if answered:
         suites["train"] = answered
     for name, path in cfg.eval_data.items():
