@@ -58,3 +58,13 @@ def make_tiny_model(vocab_size: int = 49152, *, seed: int = 0, hidden: int = 32,
 def tiny_model():
     """A fresh tiny random model for each test (seed 0)."""
     return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer) -> str:
+    """A saved tiny random model with the real tokenizer: a `model=` directory for training
+    runs and subprocesses (built once per session)."""
+    d = tmp_path_factory.mktemp("tiny_model")
+    make_tiny_model(hidden=32, layers=2).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return str(d)

@@ -18,17 +18,8 @@ from safetensors.torch import load_file
 from selfdistill.errors import ConfigError, DataError
 from selfdistill.train import load_config, run_training
 from selfdistill.train.loop import batch_indices
-from tests.conftest import make_tiny_model
 
 KNOWLEDGE = Path(__file__).resolve().parent.parent / "examples" / "knowledge"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    d = tmp_path_factory.mktemp("tiny_model")
-    make_tiny_model(hidden=32, layers=2).save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return str(d)
 
 
 @pytest.fixture(scope="module")

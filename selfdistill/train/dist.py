@@ -57,7 +57,16 @@ class Dist:
             return cls()
         from accelerate import Accelerator
 
-        return cls(Accelerator(cpu=not torch.cuda.is_available()))
+        try:
+            return cls(Accelerator(cpu=not torch.cuda.is_available()))
+        except (RuntimeError, ImportError, ValueError) as exc:
+            engine = ("FSDP" if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+                      else "DeepSpeed" if os.environ.get("ACCELERATE_USE_DEEPSPEED") else "")
+            hint = (f" {engine} shards over GPUs; on CPU launch plain data parallelism: "
+                    "`accelerate launch --multi_gpu --num_processes N -m selfdistill train ...`"
+                    if engine else "")
+            raise UserError(f"accelerate could not start this process: {str(exc).rstrip('.')}.{hint} "
+                            "(docs/distributed.md)") from None
 
     @property
     def is_main(self) -> bool:
