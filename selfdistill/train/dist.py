@@ -65,7 +65,8 @@ class Dist:
             hint = (f" {engine} shards over GPUs; on CPU launch plain data parallelism: "
                     "`accelerate launch --multi_gpu --num_processes N -m selfdistill train ...`"
                     if engine else "")
-            raise UserError(f"accelerate could not start this process: {str(exc).rstrip('.')}.{hint} "
+            why = str(exc).rstrip(".")
+            raise UserError(f"accelerate could not start this process: {why}.{hint} "
                             "(docs/distributed.md)") from None
 
     @property
