@@ -21,6 +21,7 @@ _PLUGINS = (
     "selfdistill.store.cli",
     "selfdistill.evals.compare",
     "selfdistill.registry.cli",
+    "selfdistill.serve.cli",
 )
 
 

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from selfdistill.rollout.hf import Completion, eos_ids_of, generate
+from selfdistill.rollout.hf import Completion, eos_ids, generate
 
 
 class Sampler(ABC):
@@ -73,4 +73,4 @@ def make_sampler(rollout: Any, model: Any, tokenizer: Any, run_dir: str | Path) 
                          push_dir=Path(rollout.push_dir or Path(run_dir) / "pushed").resolve(),
                          push_every=rollout.push_every, adapter_name=rollout.adapter_name,
                          timeout=rollout.timeout, concurrency=rollout.concurrency,
-                         eos_ids=eos_ids_of(model, tokenizer))
+                         stop_ids=eos_ids(model, tokenizer))

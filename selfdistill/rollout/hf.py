@@ -65,7 +65,7 @@ def generate(
     """
     was_training = model.training
     model.eval()
-    eos_ids = eos_ids_of(model, tokenizer)
+    stop_ids = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id
     flat = [p for p in prompts for _ in range(n)]
     if seeds is not None and len(seeds) != len(flat):
@@ -82,7 +82,7 @@ def generate(
             kwargs = {"do_sample": False, "logits_processor": LogitsProcessorList([sampler])}
         res = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-            pad_token_id=pad_id, eos_token_id=eos_ids, return_dict_in_generate=True,
+            pad_token_id=pad_id, eos_token_id=stop_ids, return_dict_in_generate=True,
             output_logits=True, **kwargs,
         )
         new = res.sequences[:, ids.shape[1]:]  # (b, steps)
@@ -94,7 +94,7 @@ def generate(
                 tok = int(new[row, t])
                 toks.append(tok)
                 lps.append(float(lp[row, t]))
-                if tok in eos_ids:
+                if tok in stop_ids:
                     finished = True
                     break
             text = tokenizer.decode(toks, skip_special_tokens=True)
@@ -105,8 +105,8 @@ def generate(
     return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
-def eos_ids_of(model: Any, tokenizer: Any) -> list[int]:
-    """Token ids that end a completion: the tokenizer's EOS and the generation config's."""
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Token ids that end a generation: the tokenizer's EOS and the generation config's."""
     ids = {tokenizer.eos_token_id}
     cfg_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(cfg_eos, int):

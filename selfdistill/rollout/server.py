@@ -28,7 +28,7 @@ from typing import Any
 
 from selfdistill.errors import UserError
 from selfdistill.rollout.base import Sampler
-from selfdistill.rollout.hf import Completion, eos_ids_of
+from selfdistill.rollout.hf import Completion, eos_ids
 
 
 class ServerSampler(Sampler):
@@ -40,7 +40,7 @@ class ServerSampler(Sampler):
 
     def __init__(self, url: str, tokenizer: Any, *, push_dir: str | Path, push_every: int = 1,
                  adapter_name: str = "selfdistill", timeout: float = 300.0,
-                 concurrency: int = 16, eos_ids: list[int] | None = None) -> None:
+                 concurrency: int = 16, stop_ids: list[int] | None = None) -> None:
         self.url = url.rstrip("/")
         self.tokenizer = tokenizer
         self.push_dir = Path(push_dir)
@@ -48,7 +48,7 @@ class ServerSampler(Sampler):
         self.prefix = adapter_name
         self.timeout = timeout
         self.concurrency = concurrency
-        self.eos_ids = eos_ids or eos_ids_of(None, tokenizer)
+        self.stop_ids = stop_ids or eos_ids(None, tokenizer)
         self.loaded: str | None = None  # the adapter name the server serves for us
         self.version = -1
         self.pushes = 0  # adapters uploaded by this process
@@ -112,8 +112,8 @@ class ServerSampler(Sampler):
             raise UserError(f"{self.url}/v1/completions returned {len(ids)} tokens but "
                             f"{len(lps)} log-probs: it must honour logprobs=0")
         finished = choice.get("finish_reason") == "stop"
-        if finished and (not ids or ids[-1] not in self.eos_ids):
-            ids, lps = [*ids, self.eos_ids[0]], [*lps, math.nan]
+        if finished and (not ids or ids[-1] not in self.stop_ids):
+            ids, lps = [*ids, self.stop_ids[0]], [*lps, math.nan]
         name = resp.get("model") or self.loaded
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return Completion(list(prompt), list(ids), lps, text, finished,

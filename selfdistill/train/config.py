@@ -221,8 +221,11 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: str | Path | None, overrides: list[str] = (),
+                schema: type[BaseModel] | None = None) -> Any:
     """Read a YAML config and apply `key=value` / `section.key=value` overrides.
+
+    `schema` is the config class (default `TrainConfig`; `selfdistill serve` passes its own).
 
     Values are parsed as YAML (so `steps=10` is an int, `model=null` is None). Relative data
     paths in the file are resolved against the file's directory.
@@ -248,7 +251,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         value = yaml.safe_load(raw) if raw else ""
         _set_dotted(tree, key.strip(), value)
     try:
-        return TrainConfig.model_validate(tree)
+        return (schema or TrainConfig).model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc, path)) from None
 
@@ -273,7 +276,7 @@ def _format_validation(exc: ValidationError, path: Path | None) -> str:
         loc = ".".join(str(x) for x in err["loc"]) or "config"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (see `selfdistill train --help-config`)"
+            msg = "unknown key (see --help-config)"
         lines.append(f"{loc}: {msg}")
     return where + "invalid config: " + "; ".join(lines)
 
