@@ -69,9 +69,11 @@ class ServerSampler(Sampler):
                 version, name = step, self.adapter_name(step)  # resumed past a lost push
                 path = self.push_dir / name
                 _save_adapter(model, path)
-            self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            if name in self.served():  # a stale copy (an earlier run, or before a resume)
+                self.call("/v1/unload_lora_adapter", {"lora_name": name})
+            self.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
             if self.loaded is not None and self.loaded != name:
-                self.post("/v1/unload_lora_adapter", {"lora_name": self.loaded})
+                self.call("/v1/unload_lora_adapter", {"lora_name": self.loaded})
             self.pushes += 1
         if dist is not None and dist.world > 1:
             version, name = dist.gather((version, name))[0]
@@ -90,7 +92,7 @@ class ServerSampler(Sampler):
             body = {"model": self.loaded, "prompt": prompt, "n": 1, "seed": seed,
                     "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
                     "logprobs": 0, "return_tokens_as_token_ids": True}
-            return self._completion(prompt, self.post("/v1/completions", body))
+            return self._completion(prompt, self.call("/v1/completions", body))
 
         with ThreadPoolExecutor(max_workers=min(self.concurrency, max(len(flat), 1))) as pool:
             out = list(pool.map(one, flat))
@@ -126,9 +128,15 @@ class ServerSampler(Sampler):
         raise UserError(f"{self.url}: a completion came from {name!r}, not from an adapter "
                         f"this run pushed ({self.prefix}-stepNNNNNN)")
 
-    def post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST JSON to the server; any failure becomes one `UserError` naming URL and fix."""
-        req = urllib.request.Request(self.url + route, data=json.dumps(body).encode(),
+    def served(self) -> list[str]:
+        """Model ids the server lists (`GET /v1/models`): the base model and loaded LoRAs."""
+        return [m.get("id") for m in self.call("/v1/models", None).get("data", [])]
+
+    def call(self, route: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """POST `body` as JSON to the server (GET when it is None); any failure becomes one
+        `UserError` naming the URL and the fix."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + route, data=data,
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as res:
