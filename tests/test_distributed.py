@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from selfdistill.errors import UserError
 from selfdistill.train import load_config, run_training
 from selfdistill.train.dist import Dist
 from selfdistill.train.methods import LossInputs, Sample, method_loss, token_counts
+from tests.serve_world import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOWLEDGE = ROOT / "examples" / "knowledge.yaml"
@@ -40,19 +40,13 @@ def _overrides(tiny_dir: str, out: Path) -> list[str]:
             "anchor_data=builtin", "anchor_batch_size=2", "updates_per_batch=2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(nproc: int, *args: str, fsdp: bool = False, quiet: bool = True,
            timeout: float = 300) -> subprocess.CompletedProcess:
     """`accelerate launch [--use_fsdp | --multi_gpu] --num_processes N -m selfdistill ...`."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--use_fsdp" if fsdp else "--multi_gpu", "--num_processes", str(nproc),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--num_cpu_threads_per_process", "1", "--main_process_port", str(_free_port()),
+           "--num_cpu_threads_per_process", "1", "--main_process_port", str(free_port()),
            "-m", "selfdistill", *(["--quiet"] if quiet else []), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,17 +21,12 @@ from selfdistill.errors import UserError
 from selfdistill.rollout import generate
 from selfdistill.rollout.seeding import GumbelSampler, sample_seed
 from selfdistill.rollout.server import ServerSampler
-from selfdistill.train import load_config, run_training
 from selfdistill.train.methods import Sample, start_policy
+from tests.serve_world import free_port
+from tests.test_distributed import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOWLEDGE = ROOT / "examples" / "knowledge.yaml"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_seeded_completion_does_not_depend_on_its_batch(tiny_model, tokenizer):
@@ -86,7 +80,7 @@ def test_lagged_samples_are_corrected_from_the_samplers_logprobs():
 
 
 def test_an_unreachable_server_is_one_clear_error(tokenizer, tmp_path):
-    sampler = ServerSampler(f"http://127.0.0.1:{_free_port()}", tokenizer, push_dir=tmp_path,
+    sampler = ServerSampler(f"http://127.0.0.1:{free_port()}", tokenizer, push_dir=tmp_path,
                             timeout=5)
     with pytest.raises(UserError, match=r"unreachable .*rollout.url"):
         sampler.call("/v1/completions", {"model": "x", "prompt": [1]})
@@ -95,7 +89,7 @@ def test_an_unreachable_server_is_one_clear_error(tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def serve_process(tiny_dir, tmp_path_factory):
     """`selfdistill serve` on the tiny model in its own process, runtime LoRA loading on."""
-    home, port = tmp_path_factory.mktemp("serve_home"), _free_port()
+    home, port = tmp_path_factory.mktemp("serve_home"), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = open(home / "server.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen([sys.executable, "-m", "selfdistill", "--quiet", "serve",
@@ -125,15 +119,15 @@ def _models(url: str) -> list[str]:
         return [m["id"] for m in json.load(r)["data"]]
 
 
-def test_training_samples_from_a_real_server_and_pushes_its_adapter(serve_process, tiny_dir,
-                                                                    tmp_path, tokenizer):
+def test_two_ranks_sample_from_a_real_server_and_push_the_adapter(serve_process, tiny_dir,
+                                                                   tmp_path, tokenizer):
     run = tmp_path / "run"
-    cfg = load_config(KNOWLEDGE, [
-        f"model={tiny_dir}", f"output_dir={run}", "steps=3", "batch_size=2",
-        "max_new_tokens=6", "eval.max_new_tokens=2", "eval.oracle=false", "probe_data=null",
-        "checkpoint_every=0", "threads=1", "rollout.backend=server",
-        f"rollout.url={serve_process.url}", "rollout.push_every=2", "rollout.concurrency=2"])
-    run_training(cfg, progress=False)
+    res = launch(2, "train", str(KNOWLEDGE), f"model={tiny_dir}", f"output_dir={run}",
+                 "steps=3", "batch_size=2", "max_new_tokens=6", "eval.max_new_tokens=2",
+                 "eval.oracle=false", "probe_data=null", "checkpoint_every=0", "threads=1",
+                 "rollout.backend=server", f"rollout.url={serve_process.url}",
+                 "rollout.push_every=2", "rollout.concurrency=2")
+    assert res.returncode == 0, res.stderr[-3000:]
     # versions 0 and 2 were pushed (push_every=2); the server now serves only the newest
     pushed = sorted(p.name for p in (run / "pushed").iterdir())
     assert pushed == ["selfdistill-step000000", "selfdistill-step000002"]

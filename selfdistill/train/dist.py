@@ -161,6 +161,25 @@ class Dist:
             out[key] = sum(vals) if key in SUM_METRICS else sum(vals) / len(vals)
         return out
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the engine shards weights / optimizer states over ranks (FSDP, DeepSpeed)."""
+        return self.engine in ("FSDP", "DEEPSPEED")
+
+    def full_state_dict(self, train_model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Sharded engines: the full (unwrapped) state dict, gathered from every rank — call it
+        on every rank; rank 0 writes it. None otherwise: each rank holds the whole model.
+        (Not run here: accelerate refuses FSDP without a GPU, docs/distributed.md.)"""
+        if not self.sharded:
+            return None
+        return self.accelerator.get_state_dict(train_model)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """What a checkpoint keeps of the optimizer: its state dict (identical on every rank
+        under DDP); None under sharded engines, whose per-rank shards are not written (a resume
+        then restarts the AdamW moments, docs/distributed.md)."""
+        return None if self.sharded else optimizer.state_dict()
+
     def barrier(self) -> None:
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()

@@ -26,6 +26,7 @@ from selfdistill.train.checkpoint import (
     load_weights_into,
     rng_state,
     save_checkpoint,
+    save_weights,
     set_rng_state,
 )
 from selfdistill.train.config import REQUIRED_COLUMNS, TrainConfig
@@ -147,7 +148,8 @@ def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | 
     if ckpt is not None:
         state = load_state(ckpt)
         load_weights_into(model, ckpt / "weights")
-        ctx.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is not None:  # None: written by a sharded engine (dist.py)
+            ctx.optimizer.load_state_dict(state["optimizer"])
         ctx.scheduler.load_state_dict(state["scheduler"])
         ctx.regime.load_state_dict(state["regime"])
         set_rng_state(state["rng"])
@@ -176,11 +178,13 @@ def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | 
         before = oracle = {}  # only rank 0 evaluates
 
     def checkpoint(step: int) -> None:
+        weights = dist.full_state_dict(ctx.train_model)  # sharded engines only; every rank
         if main:  # data-parallel ranks hold identical weights and optimizer states
             path = save_checkpoint(run_dir, step, model, {
-                "optimizer": ctx.optimizer.state_dict(), "scheduler": ctx.scheduler.state_dict(),
-                "regime": ctx.regime.state_dict(), "rng": rng_state(),
-                "before": before, "oracle": oracle, "world_size": dist.world})
+                "optimizer": dist.optimizer_state(ctx.optimizer),
+                "scheduler": ctx.scheduler.state_dict(), "regime": ctx.regime.state_dict(),
+                "rng": rng_state(), "before": before, "oracle": oracle,
+                "world_size": dist.world}, weights)
             if ctx.recorder is not None:
                 ctx.recorder.on_checkpoint(step, path)
         dist.barrier()
@@ -205,9 +209,10 @@ def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | 
     train_seconds = time.perf_counter() - t_train
     if start < cfg.steps or ckpt is None:
         checkpoint(cfg.steps)
+    weights = dist.full_state_dict(ctx.train_model)
     if not main:
         return {"rank": dist.rank}
-    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
+    save_weights(model, run_dir / "adapter", weights)
 
     after = run_suites(model, tok, suites, cfg, progress=progress)
     eval_log.log({"suites": _strip(after)}, cfg.steps)
