@@ -171,3 +171,24 @@ def test_globally_normalized_shard_losses_average_to_the_whole_batch_gradient():
     glob = {k: v / 2 for k, v in whole.items()}
     averaged = (grad(halves[0], glob) + grad(halves[1], glob)) / 2
     assert torch.allclose(averaged, grad(list(range(8)), None), atol=1e-7)
+
+
+def test_bfloat16_base_and_gradient_checkpointing_train_the_same_float32_adapter(
+        tiny_dir, tmp_path, monkeypatch):
+    """The memory options of the GPU recipes: bfloat16 frozen weights keep a float32 adapter,
+    and recomputing activations (gradient checkpointing) does not change the update."""
+    import transformers.modeling_utils as mu
+
+    calls, real = [], mu.checkpoint
+    monkeypatch.setattr(mu, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = {}
+    for gc in (False, True):
+        over = [o for o in _overrides(tiny_dir, tmp_path / f"gc{gc}") if "anchor" not in o]
+        cfg = load_config(KNOWLEDGE, [*over, "steps=1", "base_dtype=bfloat16",
+                                      f"gradient_checkpointing={str(gc).lower()}"])
+        run_training(cfg, progress=False)
+        out[gc] = adapter(tmp_path / f"gc{gc}")
+        assert bool(calls) == gc  # layers were recomputed only when asked
+    assert all(v.dtype == torch.float32 for v in out[True].values())
+    assert max(float(v.abs().max()) for k, v in out[True].items() if "lora_B" in k) > 0
+    assert max_diff(out[False], out[True]) < 1e-6

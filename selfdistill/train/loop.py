@@ -346,9 +346,15 @@ def build_model(cfg: TrainConfig, *, progress: bool,
     `device` (a rank's device under data parallelism) overrides `cfg.device`."""
     from selfdistill.models import attach_lora, load_model
 
-    lm = load_model(cfg.model, progress=progress)
+    lm = load_model(cfg.model, progress=progress, dtype=getattr(torch, cfg.base_dtype))
     seed_everything(cfg.seed)
     model = lm.model.to(device or resolve_device(cfg.device))
+    if cfg.gradient_checkpointing:  # `activation_…` is the newer transformers name
+        kw = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     if cfg.lora.enabled:
         model = attach_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha,
                             dropout=cfg.lora.dropout, target_modules=cfg.lora.target_modules)
