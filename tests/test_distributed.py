@@ -192,3 +192,11 @@ def test_bfloat16_base_and_gradient_checkpointing_train_the_same_float32_adapter
     assert all(v.dtype == torch.float32 for v in out[True].values())
     assert max(float(v.abs().max()) for k, v in out[True].items() if "lora_B" in k) > 0
     assert max_diff(out[False], out[True]) < 1e-6
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples" / "gpu").glob("*.yaml")))
+def test_gpu_recipes_are_valid_configs(path):
+    """The GPU recipes are not run here (no GPU); their keys, types and data paths are checked."""
+    cfg = load_config(path)
+    assert Path(cfg.train_data).is_file() and cfg.model.startswith("Qwen/Qwen3-")
+    assert cfg.batch_size % 8 == 0 and cfg.base_dtype == "bfloat16"
