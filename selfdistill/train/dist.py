@@ -21,11 +21,15 @@ Rank 0 alone writes checkpoints, metrics, traces, evaluations and the progress b
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 from selfdistill.errors import UserError
+
+COLLECTIVE_TIMEOUT_S = 4 * 3600
+"""How long a rank waits in a collective for the others (rank 0's evaluations included)."""
 
 SUM_METRICS = frozenset({"samples", "no_context", "anchor_samples", "truncated_tokens", "tokens",
                          "tokens_per_s"})
@@ -56,9 +60,13 @@ class Dist:
         if not launched_distributed():
             return cls()
         from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
 
+        # rank 0 evaluates alone (before / after training) while the others wait in a
+        # collective: allow that to take longer than the 30-minute default
+        wait = InitProcessGroupKwargs(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         try:
-            return cls(Accelerator(cpu=not torch.cuda.is_available()))
+            return cls(Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[wait]))
         except (RuntimeError, ImportError, ValueError) as exc:
             engine = ("FSDP" if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
                       else "DeepSpeed" if os.environ.get("ACCELERATE_USE_DEEPSPEED") else "")
