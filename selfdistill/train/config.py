@@ -157,7 +157,8 @@ class TrainConfig(_Section):
         "(LoRA weights, optimizer state and losses stay float32; needs lora.enabled)")
     gradient_checkpointing: bool = Field(False, description="recompute each layer's activations "
                                          "in the backward pass: activation memory from "
-                                         "O(layers) to O(1) layers, ~30 % more student compute")
+                                         "O(layers) to O(1) layers, for one more forward per "
+                                         "layer")
     threads: int | None = Field(None, gt=0, description="torch CPU threads; None = all cores")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="where the "
                         "model runs: cpu, cuda, cuda:N, mps; auto = cuda when available, else cpu")
