@@ -60,7 +60,7 @@ class ServerSampler(Sampler):
         """Serve version `step − step % push_every`: the main rank saves and loads it, and
         every rank learns the name chosen (via `dist.gather`, which also waits for the load)."""
         version = step - step % self.push_every
-        if version == self.version:
+        if version <= self.version:  # already serving it (or, after a lost push, a newer one)
             return
         name = self.adapter_name(version)
         if dist is None or dist.is_main:
@@ -83,9 +83,10 @@ class ServerSampler(Sampler):
                temperature: float, top_p: float, seeds: list[int]) -> list[list[Completion]]:
         if self.loaded is None:
             raise RuntimeError("ServerSampler.sample before sync(): no adapter is being served")
+        if len(seeds) != len(prompts) * n:
+            raise ValueError(f"need one seed per completion ({len(prompts) * n}), "
+                             f"got {len(seeds)}")
         flat = [(p, seeds[i * n + j]) for i, p in enumerate(prompts) for j in range(n)]
-        if len(seeds) != len(flat):
-            raise ValueError(f"need one seed per completion ({len(flat)}), got {len(seeds)}")
 
         def one(item: tuple[list[int], int]) -> Completion:
             prompt, seed = item
