@@ -10,6 +10,7 @@ from sqlalchemy import func, select
 
 from selfdistill.models import attach_lora, load_model
 from selfdistill.registry import Registry
+from selfdistill.serve import state
 from selfdistill.store.serve_models import ServeCompletion, ServeLesson
 from tests import serve_world
 from tests.serve_world import ADMIN, Server, config
@@ -208,3 +209,111 @@ def test_malformed_bodies(server):
     with pytest.raises(BadRequestError):
         client.chat.completions.create(model="default", messages=[{"role": "tool",
                                                                    "content": "x"}])
+
+
+def test_every_candidate_is_scored_and_only_those_above_the_threshold_kept(server):
+    client = server.client()
+    server.http.post("/v1/consent", json={"user": "frank", "learning": True})
+    server.http.post("/admin/tenants/user:frank/pause", headers=ADMIN)  # score, do not learn
+    first = ask(client, "Draft an email to Ann", user="frank").parse()
+    convo = [{"role": "user", "content": "Draft an email to Ann"},
+             {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "What is 27*4?"}]
+    client.chat.completions.create(model="default", messages=convo, max_tokens=2, user="frank")
+    [implicit] = state.lessons(server.service.sessions, scope="user:frank")
+    assert implicit["status"] == "pending" and implicit["completion_id"] == first.id
+    server.service.cfg.learner.threshold = 1e9  # nothing is a lesson now
+    try:
+        assert server.http.post("/admin/learner/tick", headers=ADMIN).json()["rounds"] == []
+        fb = server.http.post("/v1/feedback", json={"completion_id": first.id, "user": "frank",
+                                                    "text": "Shorter, please."}).json()
+    finally:
+        server.service.cfg.learner.threshold = 0.0
+    assert fb["status"] == "rejected" and fb["score"] > 0
+    rows = {r.id: r for r in server.service.sessions().query(ServeLesson).filter_by(
+        scope="user:frank")}
+    assert rows[implicit["id"]].status == "rejected" and rows[implicit["id"]].score > 0
+    assert rows[implicit["id"]].threshold == 1e9 and rows[fb["id"]].status == "rejected"
+
+
+def test_hot_swap_keeps_in_flight_requests_on_their_adapter(server, tiny_dir, tmp_path):
+    import json
+
+    reg = server.service.registry
+    v1 = propose(reg, tiny_dir, tmp_path / "g1", "user:gina", seed=11)
+    v2 = propose(reg, tiny_dir, tmp_path / "g2", "user:gina", seed=12)
+    reg.promote(v1, force=True)
+    body = {"model": "default", "user": "gina", "stream": True, "max_tokens": 24,
+            "temperature": 0, "messages": [{"role": "user", "content": "Tell me a story"}]}
+    text, versions = "", set()
+    with server.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        for line in lines:  # the stream has started on v1 ...
+            if line.startswith("data: {"):
+                versions.add(json.loads(line[6:])["selfdistill"]["version"])
+                break
+        reg.promote(v2, force=True)  # ... then v2 is promoted and loaded (hot swap)
+        server.service.ensure_version(v2)
+        for line in lines:
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                versions.add(chunk["selfdistill"]["version"])
+                text += chunk["choices"][0]["delta"].get("content") or ""
+    assert versions == {v1}
+    after = server.client().chat.completions.create(**{**body, "stream": False})
+    assert after.selfdistill["version"] == v2
+    reg.rollback("user:gina")  # back to v1: the same greedy text as the in-flight request
+    again = server.client().chat.completions.create(**{**body, "stream": False})
+    assert again.selfdistill["version"] == v1 and again.choices[0].message.content == text
+    # Decoding steps of requests on different adapters interleave under the engine's lock; each
+    # step selects its request's adapter, so a request never decodes with another's weights.
+    from selfdistill.serve.generation import Generation
+
+    eng = server.service.engine
+    ids = server.service.prompt([{"role": "user", "content": "Tell me a story"}])
+    with eng.pin(v1):
+        alone = Generation(eng, ids, v1, 12, temperature=0).run()
+        mixed = Generation(eng, ids, v1, 12, temperature=0)
+        steps = iter(mixed)
+        head = [next(steps) for _ in range(4)]
+        with eng.pin(v2):
+            other = Generation(eng, ids, v2, 12, temperature=0).run()
+        rest = list(steps)
+    assert len(head) == 4 and rest
+    assert [t.id for t in mixed.tokens] == [t.id for t in alone.tokens]
+    assert [t.logprob for t in mixed.tokens] == [t.logprob for t in alone.tokens]
+    assert [t.id for t in other.tokens] != [t.id for t in alone.tokens]
+
+
+def test_cli_tenants_delete_and_help_config(tmp_path, capsys):
+    import json
+
+    from selfdistill.cli import main
+
+    assert main(["serve", "--help-config"]) == 0
+    assert "learner.threshold" in capsys.readouterr().out
+    assert main(["tenants", "delete"]) == 2
+    assert "name the tenant" in capsys.readouterr().err
+    assert main(["serve", "nosuch.yaml"]) == 2
+    assert main(["tenants", "delete", "user:zed", "--set", f"home={tmp_path}"]) == 0
+    proof = json.loads(capsys.readouterr().out)
+    assert proof["deleted"] is True and set(proof["removed"].values()) == {0}
+    assert main(["tenants", "list", "--set", f"home={tmp_path}"]) == 0
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/v1/feedback", {"text": "x", "user": "carol"}, 400, "completion_id"),
+    ("/v1/feedback", {"completion_id": "c", "text": "", "user": "carol"}, 400, "text"),
+    ("/v1/feedback", {"completion_id": "c", "text": "x", "rating": 5, "user": "carol"}, 400,
+     "rating"),
+    ("/v1/feedback", {"completion_id": "c", "text": "x", "user": "carol"}, 404, "completion_id"),
+    ("/v1/feedback", {"completion_id": "c", "text": "x"}, 400, "user"),
+    ("/v1/completions", {"model": "default"}, 400, "prompt"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/consent", {"user": "carol"}, 400, "learning"),
+])
+def test_malformed_feedback_and_completions(server, path, body, status, param):
+    r = server.http.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param

@@ -10,7 +10,7 @@ from tests import serve_world
 from tests.serve_world import ADMIN, Server, config
 
 tiny_dir, one_thread = serve_world.tiny_dir, serve_world.one_thread
-LEARN = {"threshold": 0.0, "every_lessons": 2, "steps": 4, "batch_size": 2,
+LEARN = {"threshold": 0.0, "every_lessons": 2, "steps": 4, "batch_size": 2, "anchor_batch_size": 0,
          "learning_rate": 1e-2, "max_new_tokens": 8, "lora_rank": 4, "gate_max_new_tokens": 8}
 
 
@@ -139,6 +139,7 @@ def _start(home, model_dir, port: int, *overrides: str):
         [sys.executable, "-m", "selfdistill", "--quiet", "serve", f"model={model_dir}",
          f"home={home}", f"port={port}", f"admin_token={serve_world.TOKEN}", "threads=1",
          "learner.threshold=0", "learner.lora_rank=4", "learner.max_new_tokens=8",
+         "learner.anchor_batch_size=0",
          "governance.consent_default=true", *overrides],
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 180

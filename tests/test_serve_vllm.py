@@ -129,6 +129,15 @@ def test_runtime_lora_load_use_unload(server, lora_dir, tiny_dir):
     assert lps == pytest.approx(raw_logprobs(peft, PROMPT, toks), abs=1e-4)
     base = complete(server, **body)["choices"][0]["logprobs"]["token_logprobs"]
     assert base != pytest.approx(lps, abs=1e-3)  # the adapter is really applied
+    # load_inplace: the same name now serves other weights (here: the base's, a zero adapter)
+    zero = lora_dir.parent / "zero"
+    peft = load_model(str(tiny_dir), progress=False).model
+    attach_lora(peft, rank=4).save_pretrained(zero)  # B = 0: exactly the base
+    r = server.http.post("/v1/load_lora_adapter", json={
+        "lora_name": "student-v1", "lora_path": str(zero), "load_inplace": True})
+    assert r.status_code == 200
+    swapped = server.http.post("/v1/completions", json={"model": "student-v1", **body}).json()
+    assert swapped["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(base, abs=1e-5)
     r = server.http.post("/v1/unload_lora_adapter", json={"lora_name": "student-v1"})
     assert r.status_code == 200
     gone = server.http.post("/v1/completions", json={"model": "student-v1", **body})
@@ -149,3 +158,22 @@ def test_lora_errors_and_switch(server, tmp_path):
         assert off.status_code == 404 and off.json()["error"]["code"] == "lora_updates_disabled"
     finally:
         server.service.cfg.lora_updates = True
+
+
+def test_sample_token_rules():
+    from selfdistill.serve.engine import sample_token
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    raw = torch.log_softmax(logits, -1)
+    greedy = sample_token(logits, temperature=0, top_p=1.0, generator=None, top_logprobs=2)
+    assert greedy.id == 0 and greedy.logprob == pytest.approx(float(raw[0]))
+    assert list(greedy.top) == [0, 1]
+    # top_p = 0.5 keeps only the first token (mass 0.64 ≥ 0.5): always token 0
+    g = torch.Generator().manual_seed(0)
+    assert {sample_token(logits, temperature=1.0, top_p=0.5, generator=g).id
+            for _ in range(50)} == {0}
+    # the reported log-prob is the raw one whatever the temperature
+    hot = sample_token(logits, temperature=2.0, top_p=1.0, generator=g)
+    assert hot.logprob == pytest.approx(float(raw[hot.id]))
+    draws = {sample_token(logits, temperature=1.0, top_p=1.0, generator=g).id for _ in range(200)}
+    assert draws == {0, 1, 2, 3}

@@ -121,6 +121,30 @@ def test_no_context_samples_get_no_distillation_loss():
     assert torch.allclose(loss1, ref)
 
 
+@pytest.mark.parametrize("environment_feedback", [True, False])
+def test_sdpo_contexts_siblings_and_feedback(environment_feedback):
+    """A failed attempt gets a successful sibling's text (first) and its own feedback; a success
+    gets nothing (not its own solution); without environment feedback only siblings teach."""
+    from selfdistill.envs.base import Feedback
+    from selfdistill.train.methods import Sample, sdpo_contexts
+
+    def attempt(i: int, reward: float) -> Sample:
+        fb = Feedback(reward, f"why {i}", "wrong_answer", reward == 1.0)
+        return Sample(i, None, 0, [1], [2], text=f"code {i}", reward=reward, feedback=fb)
+
+    win, lose = attempt(0, 1.0), attempt(1, 0.5)
+    sdpo_contexts([win, lose], success_threshold=1.0, sibling_solutions=True, include_self=False,
+                  feedback_for_successes=False, environment_feedback=environment_feedback)
+    assert win.contexts == []
+    want = [("solution", "code 0")] + [("feedback", "why 1")] * environment_feedback
+    assert [(c.kind, c.text) for c in lose.contexts] == want
+    alone = attempt(2, 0.0)  # no successful sibling: feedback or nothing
+    sdpo_contexts([alone], success_threshold=1.0, sibling_solutions=True, include_self=False,
+                  feedback_for_successes=False, environment_feedback=environment_feedback)
+    got = [(c.kind, c.text) for c in alone.contexts]
+    assert got == [("feedback", "why 2")] * environment_feedback
+
+
 def test_anchor_teacher_sees_the_student_prompt_and_starts_at_zero_divergence(
         tiny_dir, tmp_path, monkeypatch):
     """Anchors are distilled toward the teacher WITHOUT context: at the first update (LoRA B = 0,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from selfdistill.errors import UserError
+
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from selfdistill.serve.config import help_text, load_serve_config
@@ -28,6 +30,9 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
     from selfdistill.serve.learner import scope_dir
     from selfdistill.store.records import check_scope
 
+    if args.action == "delete" and not args.scope:
+        raise UserError("tenants delete: name the tenant, e.g. `selfdistill tenants delete "
+                        "user:alice`")
     cfg = load_serve_config(args.config, list(args.set or []))
     home = cfg.home_dir()
     with Registry(cfg.registry or home / "registry.db",

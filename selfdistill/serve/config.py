@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,8 +64,15 @@ class LearnerConfig(_Section):
     max_new_tokens: int = Field(48, gt=0, description="rollout budget per lesson (tokens)")
     temperature: float = Field(1.0, gt=0, description="rollout sampling temperature")
     lora_rank: int = Field(8, gt=0, description="LoRA rank of tenant adapters")
-    anchor_batch_size: int = Field(0, ge=0, description="builtin anchor prompts per step (0 = "
-                                   "none): on-policy rows distilled toward the base model")
+    anchor_batch_size: int = Field(8, ge=0, description="builtin anchor prompts per step (0 = "
+                                   "none): rolled out without feedback and distilled toward "
+                                   "the base model, which holds general behaviour in place "
+                                   "(the main job's recipe)")
+    anchor_weight: float = Field(2.0, ge=0, description="weight of the anchor rows' divergence "
+                                 "next to the lessons'")
+    precision: Literal["float32", "bfloat16"] = Field(
+        "float32", description="training forward precision (bfloat16 = autocast; faster on CPUs "
+        "with AVX512-BF16)")
     threads: int | None = Field(None, gt=0, description="torch threads while learning; None = "
                                 "leave as is")
     probes: list[str] = Field(default_factory=lambda: ["builtin"], description="forgetting "

@@ -12,7 +12,8 @@ accepted lessons (or its newest one has waited long enough) runs a learning roun
 3. on promotion the new version is loaded into the engine (new requests use it; running requests
    keep the adapter they pinned), and the round and its lessons are recorded in one transaction.
 
-A crash before step 3 leaves the lessons `accepted`: the next start trains on them again. The
+A crash before step 4 leaves the lessons `accepted`: the next start trains on them again; a
+round that fails with an error is recorded with it (its lessons are kept, marked `trained`). The
 learner never learns into `global`, into a paused tenant, or into one without consent. It runs in
 a thread; all model work of requests and learner is interleaved by the engine's lock (scoring) or
 runs on the learner's own model copy (training, gate).
@@ -120,6 +121,9 @@ class Learner:
             row.update(self._propose(scope, lessons, run_dir))
         except (UserError, PromotionConflict) as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # recorded, not retried forever; the lessons stay in the store
+            log.exception("learning round for %s failed", scope)
+            row["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             self.status["learning"] = None
         row["seconds"] = time.perf_counter() - t0
@@ -154,7 +158,8 @@ class Learner:
             temperature=c.temperature, probe_data=None, checkpoint_every=0, scope=scope,
             anchor_data="builtin" if c.anchor_batch_size else None,
             anchor_batch_size=c.anchor_batch_size, threads=c.threads, device="cpu",
-            lora={"rank": c.lora_rank, "alpha": 2.0 * c.lora_rank},
+            lora={"rank": c.lora_rank, "alpha": 2.0 * c.lora_rank}, precision=c.precision,
+            loss={"anchor_weight": c.anchor_weight},
             eval={"oracle": False})
         model, tok, path = build_model(cfg, progress=False)
         if parent_id is not None:

@@ -120,6 +120,7 @@ class LoadLoraRequest(_Request):
 
     lora_name: str = Field(min_length=1, max_length=200)
     lora_path: str = Field(min_length=1)
+    load_inplace: bool = Field(False, description="replace an adapter loaded under this name")
 
 
 class UnloadLoraRequest(_Request):

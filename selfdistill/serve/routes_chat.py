@@ -19,11 +19,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from selfdistill.chat import Message
 from selfdistill.serve import feedback
 from selfdistill.serve.generation import Generation, chat_logprobs
 from selfdistill.serve.protocol import ChatRequest, FeedbackRequest, chat_messages, parse
-from selfdistill.serve.service import SCOPE_HEADER, Route, Service, Tenant
+from selfdistill.serve.service import SCOPE_HEADER, Route, Service
 
 
 def _headers(route: Route) -> dict[str, str]:
@@ -113,8 +112,8 @@ def _stream(service: Service, gen: Generation, route: Route, head: dict[str, Any
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
     with service.engine.pin(route.adapter):
+        yield chunk({"role": "assistant", "content": ""})
         for piece in gen:
             if piece.text or logprobs:
                 yield chunk({"content": piece.text},
@@ -127,5 +126,3 @@ def _stream(service: Service, gen: Generation, route: Route, head: dict[str, Any
         yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"
 
-
-__all__ = ["Message", "Tenant", "register"]

@@ -158,7 +158,8 @@ def register(app: FastAPI, service: Service) -> None:
     async def load_lora(request: Request) -> Any:
         _allowed(service)
         req: LoadLoraRequest = parse(LoadLoraRequest, await read_json(request, limit))
-        if req.lora_name in service.loras or req.lora_name in service.aliases:
+        if req.lora_name in service.aliases or (
+                req.lora_name in service.loras and not req.load_inplace):
             raise APIError(400, f"The lora adapter '{req.lora_name}' has already been loaded.",
                            param="lora_name")
         path = Path(req.lora_path)
@@ -171,7 +172,10 @@ def register(app: FastAPI, service: Service) -> None:
         except Exception as exc:  # the loader's reason, e.g. a shape mismatch
             raise APIError(400, f"cannot load LoRA adapter from {path}: {exc}",
                            param="lora_path") from None
-        service.loras[req.lora_name] = name
+        old = service.loras.get(req.lora_name)
+        service.loras[req.lora_name] = name  # new requests get the new weights from here on
+        if old is not None:  # load_inplace: running requests finish on the old ones
+            await run_in_threadpool(service.engine.unload, old)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -72,6 +72,9 @@ class SdpoConfig(_Section):
                                "solution context (off as in the SDPO reference)")
     feedback_for_successes: bool = Field(False, description="also distill successful attempts "
                                          "under their own (positive) feedback")
+    environment_feedback: bool = Field(True, description="the grader's feedback text goes into "
+                                       "failed attempts' teacher context; false = only "
+                                       "successful siblings teach")
     reveal_answer: bool = Field(True, description="QA feedback names the expected answer")
 
 

@@ -193,7 +193,8 @@ def attach_contexts(cfg: TrainConfig, ctx: StepContext, samples: list[Sample],
                           success_threshold=cfg.sdpo.success_threshold,
                           sibling_solutions=cfg.sdpo.sibling_solutions,
                           include_self=cfg.sdpo.include_self,
-                          feedback_for_successes=cfg.sdpo.feedback_for_successes)
+                          feedback_for_successes=cfg.sdpo.feedback_for_successes,
+                          environment_feedback=cfg.sdpo.environment_feedback)
     for s in samples:
         if s.contexts:
             tp = build_teacher_messages(s.row.messages, s.contexts, tokenizer=ctx.tokenizer,

@@ -195,8 +195,10 @@ def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | 
     for step in bar:
         metrics = train_step(cfg, ctx, step)
         logger.log(metrics, step + 1)
-        bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
-                        acc=f"{metrics.get('rollout_accuracy', float('nan')):.2f}")
+        # QA rows report accuracy; graded rows without an answer (code) report the mean reward.
+        shown = {k: metrics[k] for k in ("loss", "rollout_accuracy", "reward") if k in metrics}
+        bar.set_postfix({"acc" if k == "rollout_accuracy" else k: f"{v:.3f}"
+                         for k, v in shown.items()})
         done = step + 1
         if main and cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and \
                 done < cfg.steps:
