@@ -37,7 +37,8 @@ def _overrides(tiny_dir: str, out: Path) -> list[str]:
     return [f"model={tiny_dir}", f"output_dir={out}", "steps=4", "batch_size=4",
             "max_new_tokens=6", "eval.max_new_tokens=2", "eval.every_steps=0",
             "eval.oracle=false", "probe_data=null", "checkpoint_every=2", "threads=1",
-            "anchor_data=builtin", "anchor_batch_size=2", "updates_per_batch=2"]
+            "anchor_data=builtin", "anchor_batch_size=2", "updates_per_batch=2",
+            "precision=float32"]  # bf16 autocast rounds differently shaped rank batches apart
 
 
 def launch(nproc: int, *args: str, fsdp: bool = False, quiet: bool = True,
@@ -87,7 +88,8 @@ def test_two_ranks_train_the_same_adapter_as_one_process(runs):
     for x, y in zip(m1, m2, strict=True):
         assert y["samples"] == x["samples"] == 6  # 4 task prompts + 2 anchors, summed over ranks
         assert y["tokens"] == x["tokens"]  # the same tokens were sampled
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-7)
+        # float32 noise of a KL near 0 (~1e-4 here) is ~1e-7 absolute
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-6)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
 
 

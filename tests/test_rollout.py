@@ -126,7 +126,7 @@ def test_two_ranks_sample_from_a_real_server_and_push_the_adapter(serve_process,
                  "steps=3", "batch_size=2", "max_new_tokens=6", "eval.max_new_tokens=2",
                  "eval.oracle=false", "probe_data=null", "checkpoint_every=0", "threads=1",
                  "rollout.backend=server", f"rollout.url={serve_process.url}",
-                 "rollout.push_every=2", "rollout.concurrency=2")
+                 "rollout.push_every=2", "rollout.concurrency=2", "precision=float32")
     assert res.returncode == 0, res.stderr[-3000:]
     # versions 0 and 2 were pushed (push_every=2); the server now serves only the newest
     pushed = sorted(p.name for p in (run / "pushed").iterdir())
