@@ -414,16 +414,21 @@ def importance_weights(logprobs: Tensor, old_logprobs: Tensor, clip: float = 2.0
     return torch.exp(logprobs.detach().float() - old_logprobs.detach().float()).clamp(max=clip)
 
 
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+def masked_mean(values: Tensor, mask: Tensor, count: float | None = None) -> Tensor:
     """Σ values·mask / Σ mask over all entries (a scalar); 0 when the mask is empty.
 
     ``mask`` is bool or 0/1 (or non-negative weights), broadcastable to ``values``. Masked-out
     entries are excluded with ``where``, so NaN/inf there reaches neither the value nor the
-    gradient; an all-masked batch returns 0 with zero (finite) gradient.
+    gradient; an all-masked batch returns 0 with zero (finite) gradient. ``count`` replaces the
+    denominator Σ mask (data parallelism: the global count over the world size, so that the
+    ranks' averaged gradients equal the one-process gradient).
     """
     weights = mask.to(values.dtype)
     total = torch.where(weights != 0, values * weights, torch.zeros_like(values)).sum()
-    count = weights.expand_as(values).sum()
+    if count is None:
+        count = weights.expand_as(values).sum()
+    else:
+        count = torch.as_tensor(count, dtype=values.dtype, device=values.device)
     return total / count.clamp_min(torch.finfo(values.dtype).tiny)
 
 

@@ -71,3 +71,4 @@ def tiny_dir(tmp_path_factory, tokenizer) -> str:
 def tiny_model():
     """A fresh tiny random model for each test (seed 0)."""
     return make_tiny_model()
+

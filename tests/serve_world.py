@@ -16,17 +16,9 @@ import uvicorn
 from selfdistill.serve.app import create_app
 from selfdistill.serve.config import ServeConfig
 from selfdistill.serve.server import build_service
-from tests.conftest import make_tiny_model
 
 TOKEN = "test-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def save_tiny(path: Path, tokenizer, *, seed: int = 0) -> Path:
-    """A tiny random model directory (config, weights, tokenizer)."""
-    make_tiny_model(seed=seed).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def free_port() -> int:
@@ -76,11 +68,6 @@ def config(home: Path, model: Path, **kw) -> ServeConfig:
     learner = {"enabled": False, **kw.pop("learner", {})}
     return ServeConfig.model_validate({"model": str(model), "home": str(home), "admin_token": TOKEN,
                                        "threads": 1, "learner": learner, **kw})
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("tiny") / "model", tokenizer)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,7 +15,7 @@ from selfdistill.store.serve_models import ServeCompletion, ServeLesson
 from tests import serve_world
 from tests.serve_world import ADMIN, Server, config
 
-tiny_dir, one_thread = serve_world.tiny_dir, serve_world.one_thread
+one_thread = serve_world.one_thread  # tiny_dir: the session fixture (conftest)
 
 
 @pytest.fixture(scope="module")

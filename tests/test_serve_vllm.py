@@ -13,7 +13,7 @@ from selfdistill.models import attach_lora, load_model
 from tests import serve_world
 from tests.serve_world import Server, config
 
-tiny_dir, one_thread = serve_world.tiny_dir, serve_world.one_thread
+one_thread = serve_world.one_thread  # tiny_dir: the session fixture (conftest)
 PROMPT = [1, 504, 3458, 314, 260, 1345, 30]
 
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList
+
+from selfdistill.rollout.seeding import GumbelSampler
 
 
 @dataclass
@@ -49,6 +52,7 @@ def generate(
     greedy: bool = False,
     batch_size: int = 16,
     on_batch: Callable[[int], None] | None = None,
+    seeds: list[int] | None = None,
 ) -> list[list[Completion]]:
     """Sample `n` completions for each prompt (token ids, already chat-templated).
 
@@ -56,18 +60,26 @@ def generate(
     per row at EOS (the row is then padded); `greedy=True` ignores temperature and top_p.
     Batches hold up to `batch_size` rows (prompt copies for n > 1 share a batch).
     `on_batch(rows_done)` is called after each batch, e.g. to advance a progress bar.
+    `seeds` (one per completion, prompt-major: prompt i's j-th is `seeds[i * n + j]`) makes each
+    completion a pure function of its seed, whatever the batching (`rollout.seeding`).
     """
     was_training = model.training
     model.eval()
     stop_ids = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id
     flat = [p for p in prompts for _ in range(n)]
+    if seeds is not None and len(seeds) != len(flat):
+        raise ValueError(f"need one seed per completion ({len(flat)}), got {len(seeds)}")
     out: list[Completion] = []
     for start in range(0, len(flat), batch_size):
         chunk = flat[start:start + batch_size]
         ids, mask = (t.to(model.device) for t in _left_pad(chunk, pad_id))
         kwargs: dict[str, Any] = {"do_sample": False} if greedy else {
             "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        if seeds is not None and not greedy:  # seeded Gumbel-max on top of greedy decoding
+            sampler = GumbelSampler(seeds[start:start + batch_size], temperature=temperature,
+                                    top_p=top_p)
+            kwargs = {"do_sample": False, "logits_processor": LogitsProcessorList([sampler])}
         res = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
             pad_token_id=pad_id, eos_token_id=stop_ids, return_dict_in_generate=True,

@@ -39,13 +39,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_weights(model: Any, out: Path) -> None:
-    """PEFT models save only the adapter; plain models save full weights (safetensors)."""
-    model.save_pretrained(out, safe_serialization=True)
+def save_weights(model: Any, out: Path, state_dict: dict[str, Any] | None = None) -> None:
+    """PEFT models save only the adapter; plain models save full weights (safetensors).
+    `state_dict`: the model's full state gathered from a sharded engine (FSDP / DeepSpeed)."""
+    if state_dict is None:
+        model.save_pretrained(out, safe_serialization=True)
+    else:
+        model.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: Any, state: dict[str, Any]) -> Path:
-    """Atomically write checkpoint `step` and append it to the index; returns its directory."""
+def save_checkpoint(run_dir: Path, step: int, model: Any, state: dict[str, Any],
+                    weights: dict[str, Any] | None = None) -> Path:
+    """Atomically write checkpoint `step` and append it to the index; returns its directory.
+    Under data parallelism rank 0 alone calls it (`weights`: the state a sharded engine
+    gathered); the checkpoint does not depend on the number of processes, so a run resumes on
+    any number of them (docs/distributed.md)."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -53,7 +61,7 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, state: dict[str, Any])
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_weights(model, tmp / "weights")
+    save_weights(model, tmp / "weights", weights)
     torch.save({**state, "step": step}, tmp / "state.pt")
     _fsync_dir(tmp)
     if final.exists():  # re-running a step after a resume: the new one replaces it

@@ -43,7 +43,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"{config!r} looks like an override; put the config file first")
     cfg = load_config(config, overrides)
     summary = run_training(cfg, resume=bool(args.resume), progress=not args.quiet)
-    _print_summary(summary)
+    if "gate" in summary:  # data-parallel ranks other than 0 return {"rank": r}
+        _print_summary(summary)
     return 0
 
 

@@ -104,6 +104,27 @@ class GateConfig(_Section):
     probe_tolerance: int = Field(1, ge=0, description="forgetting probes that may be lost")
 
 
+class RolloutConfig(_Section):
+    backend: Literal["hf", "server"] = Field(
+        "hf", description="where rollouts are sampled: hf = in-process HF generate on the "
+        "learner's own weights; server = an OpenAI-compatible completions server returning "
+        "token log-probs, with dynamic LoRA loading (`vllm serve --enable-lora` or "
+        "`selfdistill serve`), see docs/distributed.md")
+    url: str | None = Field(None, description="backend=server: the server's base URL, e.g. "
+                            "http://127.0.0.1:8000 (the /v1 routes are appended)")
+    push_every: int = Field(1, gt=0, description="backend=server: push the adapter every K "
+                            "steps; between pushes samples lag the learner by up to K−1 steps "
+                            "and are importance-corrected with the server's log-probs")
+    push_dir: str | None = Field(None, description="backend=server: directory, readable by "
+                                 "the server, where pushed adapters are written; None = "
+                                 "OUTPUT_DIR/pushed")
+    adapter_name: str = Field("selfdistill", pattern=r"^[A-Za-z0-9_.-]+$", description="prefix "
+                              "of the served adapter names: NAME-stepNNNNNN")
+    timeout: float = Field(300.0, gt=0, description="backend=server: seconds per HTTP request")
+    concurrency: int = Field(16, gt=0, description="backend=server: completion requests in "
+                             "flight per process")
+
+
 class TrainConfig(_Section):
     # -- common knobs --------------------------------------------------------------------
     model: str | None = Field(None, description="HF model directory or hub id; None = the "
@@ -144,6 +165,13 @@ class TrainConfig(_Section):
         "float32", description="forward-pass precision: bfloat16 = autocast (matmuls in bf16, "
         "about 2× faster on CPUs with AVX512-BF16/AMX; weights, optimizer and losses stay "
         "float32)")
+    base_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the frozen base weights: bfloat16 halves their memory "
+        "(LoRA weights, optimizer state and losses stay float32; needs lora.enabled)")
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations "
+                                         "in the backward pass: activation memory from "
+                                         "O(layers) to O(1) layers, for one more forward per "
+                                         "layer")
     threads: int | None = Field(None, gt=0, description="torch CPU threads; None = all cores")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="where the "
                         "model runs: cpu, cuda, cuda:N, mps; auto = cuda when available, else cpu")
@@ -163,6 +191,7 @@ class TrainConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     sdpo: SdpoConfig = Field(default_factory=SdpoConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
 
     @model_validator(mode="after")
@@ -180,6 +209,16 @@ class TrainConfig(_Section):
             raise ValueError("teacher.context=none makes the teacher read the student's own "
                              "prompt: with the student's weights that is no signal; use "
                              "teacher.regime=model")
+        if self.base_dtype != "float32" and not self.lora.enabled:
+            raise ValueError("base_dtype=bfloat16 keeps the *frozen* weights in bfloat16: with "
+                             "full fine-tuning (lora.enabled=false) use precision=bfloat16")
+        if self.rollout.backend == "server":
+            if not self.rollout.url:
+                raise ValueError("rollout.backend=server needs rollout.url (the completions "
+                                 "server's base URL, e.g. http://127.0.0.1:8000)")
+            if not self.lora.enabled:
+                raise ValueError("rollout.backend=server pushes LoRA adapters to the server: "
+                                 "set lora.enabled=true (or rollout.backend=hf)")
         if self.anchor_batch_size:
             if self.anchor_data is None:
                 raise ValueError("anchor_batch_size > 0 needs anchor_data (a JSONL of prompts, "

@@ -25,7 +25,8 @@ import torch
 
 from selfdistill.chat import prompt_ids
 from selfdistill.data import Row, is_graded, row_correct
-from selfdistill.rollout import generate
+from selfdistill.rollout.base import HFSampler
+from selfdistill.rollout.seeding import ANCHOR_STREAM, TASK_STREAM, sample_seed
 from selfdistill.teacher import (
     PackedBatch,
     build_batch,
@@ -35,6 +36,7 @@ from selfdistill.teacher import (
     make_regime,
 )
 from selfdistill.train.config import TrainConfig
+from selfdistill.train.dist import SINGLE
 from selfdistill.train.methods import (
     ROLLOUT_METHODS,
     LossInputs,
@@ -42,6 +44,7 @@ from selfdistill.train.methods import (
     method_loss,
     sdft_contexts,
     sdpo_contexts,
+    token_counts,
 )
 
 
@@ -91,51 +94,74 @@ class StepContext:
     anchors: list[Row] = field(default_factory=list)  # anchor prompts (see TrainConfig)
     graders: Any = None  # callable(row) -> env with .step(text) -> Feedback (sdpo / grpo)
     recorder: Any = None  # .on_step(step, samples, metrics): the trace store (off the hot path)
+    sampler: Any = None  # rollout backend (`rollout.base.Sampler`); None = in-process HF
+    dist: Any = SINGLE  # ranks and collectives (`train.dist.Dist`)
+    train_model: Any = None  # the engine's wrapper of `model` (DDP / FSDP); None = `model`
 
 
 def make_samples(cfg: TrainConfig, ctx: StepContext, indices: list[int], step: int,
-                 timer: PhaseTimer) -> list[Sample]:
+                 timer: PhaseTimer, offset: int = 0) -> list[Sample]:
     """Targets of one step: rollouts for sdft/sdpo/grpo (task prompts first, then the step's
-    anchor prompts), fixed texts for sft/cpt."""
+    anchor prompts), fixed texts for sft/cpt. `indices` are this rank's rows, starting at
+    position `offset` of the global batch: groups are numbered globally (task prompt k of the
+    step = group k; anchor prompt j = group batch_size + j)."""
     tok = ctx.tokenizer
     rows = [ctx.rows[i] for i in indices]
     if cfg.method == "cpt":
         start = cpt_prompt(tok)
-        return [Sample(i, r, g, start, _text_ids(tok, r.privileged_context), r.privileged_context)
-                for g, (i, r) in enumerate(zip(indices, rows, strict=True))]
+        return [Sample(i, r, offset + g, start, _text_ids(tok, r.privileged_context),
+                       r.privileged_context) for g, (i, r) in enumerate(zip(indices, rows,
+                                                                            strict=True))]
     prompts = [prompt_ids(tok, r.messages) for r in rows]
     if cfg.method == "sft":
-        return [Sample(i, r, g, p, _text_ids(tok, r.privileged_context), r.privileged_context)
+        return [Sample(i, r, offset + g, p, _text_ids(tok, r.privileged_context),
+                       r.privileged_context)
                 for g, (i, r, p) in enumerate(zip(indices, rows, prompts, strict=True))]
-    a_idx = (batch_indices(step, len(ctx.anchors), cfg.anchor_batch_size, cfg.seed + 1)
+    a_shard = ctx.dist.shard(cfg.anchor_batch_size, "anchor_batch_size")
+    a_idx = (batch_indices(step, len(ctx.anchors), cfg.anchor_batch_size, cfg.seed + 1)[a_shard]
              if cfg.anchor_batch_size else [])
     a_rows = [ctx.anchors[i] for i in a_idx]
     a_prompts = [prompt_ids(tok, r.messages) for r in a_rows]
     with timer("generate"):
-        groups, a_groups = _rollouts(cfg, ctx, prompts, a_prompts)
-    samples = [Sample(i, r, g, p, c.token_ids, c.text)
+        groups, a_groups = _rollouts(cfg, ctx, step, (prompts, offset),
+                                     (a_prompts, a_shard.start))
+    lag = lambda c: step - c.meta.get("adapter_version", step)  # noqa: E731
+    samples = [Sample(i, r, offset + g, p, c.token_ids, c.text, behaviour_logprobs=c.logprobs,
+                      lag=lag(c))
                for g, (i, r, p, group) in enumerate(zip(indices, rows, prompts, groups,
                                                         strict=True))
                for c in group]
-    samples += [Sample(i, r, len(rows) + j, p, group[0].token_ids, group[0].text, anchor=True)
+    samples += [Sample(i, r, cfg.batch_size + a_shard.start + j, p, group[0].token_ids,
+                       group[0].text, anchor=True, behaviour_logprobs=group[0].logprobs,
+                       lag=lag(group[0]))
                 for j, (i, r, p, group) in enumerate(zip(a_idx, a_rows, a_prompts, a_groups,
                                                          strict=True))]
     return samples
 
 
-def _rollouts(cfg: TrainConfig, ctx: StepContext, prompts: list[list[int]],
-              a_prompts: list[list[int]]) -> tuple[list[Any], list[Any]]:
-    """`num_generations` completions per task prompt and one per anchor prompt; one batched
-    `generate` call when both take one completion."""
-    def run(ps: list[list[int]], n: int) -> list[Any]:
-        return generate(ctx.model, ctx.tokenizer, ps, n=n, max_new_tokens=cfg.max_new_tokens,
-                        temperature=cfg.temperature, top_p=cfg.top_p,
-                        batch_size=len(ps) * n) if ps else []
+def _rollouts(cfg: TrainConfig, ctx: StepContext, step: int,
+              task: tuple[list[list[int]], int],
+              anchor: tuple[list[list[int]], int]) -> tuple[list[Any], list[Any]]:
+    """`num_generations` completions per task prompt and one per anchor prompt, each seeded by
+    its global index in the step (`rollout.seeding`), so the tokens do not depend on the
+    sharding; `task` / `anchor` = (prompts, global index of the first). One sampler call when
+    both take one completion."""
+    sampler = ctx.sampler or HFSampler(ctx.model, ctx.tokenizer)
+    sampler.sync(ctx.model, step, ctx.dist)
+    n = cfg.num_generations
+    (t_ps, t_first), (a_ps, a_first) = task, anchor
+    t_seeds = [sample_seed(cfg.seed, step, TASK_STREAM, (t_first + i) * n + j)
+               for i in range(len(t_ps)) for j in range(n)]
+    a_seeds = [sample_seed(cfg.seed, step, ANCHOR_STREAM, a_first + i) for i in range(len(a_ps))]
 
-    if cfg.num_generations == 1:
-        both = run(prompts + a_prompts, 1)
-        return both[:len(prompts)], both[len(prompts):]
-    return run(prompts, cfg.num_generations), run(a_prompts, 1)
+    def run(ps: list[list[int]], k: int, seeds: list[int]) -> list[Any]:
+        return sampler.sample(ps, n=k, max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, top_p=cfg.top_p, seeds=seeds)
+
+    if n == 1:
+        both = run(t_ps + a_ps, 1, t_seeds + a_seeds)
+        return both[:len(t_ps)], both[len(t_ps):]
+    return run(t_ps, n, t_seeds), run(a_ps, 1, a_seeds)
 
 
 def cpt_prompt(tok: Any) -> list[int]:
@@ -190,31 +216,33 @@ def train_step(cfg: TrainConfig, ctx: StepContext, step: int) -> dict[str, float
     """One rollout batch and `updates_per_batch` optimizer steps; returns the step's metrics."""
     timer = PhaseTimer()
     t_start = time.perf_counter()
-    indices = batch_indices(step, len(ctx.rows), cfg.batch_size, cfg.seed)
-    model = ctx.model
+    dist = ctx.dist  # data parallelism: this rank's shard of the global batch (train/dist.py)
+    shard = dist.shard(cfg.batch_size, "batch_size")
+    indices = batch_indices(step, len(ctx.rows), cfg.batch_size, cfg.seed)[shard]
+    model, train_model = ctx.model, ctx.train_model or ctx.model
     with precision(cfg, model):
-        samples = make_samples(cfg, ctx, indices, step, timer)
+        samples = make_samples(cfg, ctx, indices, step, timer, offset=shard.start)
     attach_contexts(cfg, ctx, samples, timer)
     with precision(cfg, model):
         ctx_rows, teacher_logits, sb = score_batch(ctx.regime, model, samples,
                                                    ctx.tokenizer.pad_token_id, timer)
-    has_signal = _has_signal(cfg, samples, ctx_rows)
+    has_signal = dist.any(_has_signal(cfg, samples, ctx_rows))
+    counts = dist.global_counts(token_counts(samples, sb.completion_mask, ctx_rows))
     metrics: dict[str, float] = {}
     for update in range(cfg.updates_per_batch if has_signal else 0):
         with timer("student"):
             with precision(cfg, model):
-                loss, m = update_loss(cfg, model, samples, sb, teacher_logits, ctx_rows, update)
-            loss.backward()
+                loss, m = update_loss(cfg, train_model, samples, sb, teacher_logits, ctx_rows,
+                                      update, counts=counts)
+            dist.backward(loss)
         with timer("optimizer"):
-            params = [p for p in model.parameters() if p.requires_grad]
-            gnorm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                     if cfg.max_grad_norm else torch.tensor(0.0))
+            gnorm = dist.clip_grad_norm_(train_model, cfg.max_grad_norm)
             ctx.optimizer.step()
             ctx.optimizer.zero_grad(set_to_none=True)
             ctx.scheduler.step()
             ctx.regime.after_step(model)
         if update == 0:
-            metrics.update(m, loss=loss.item(), grad_norm=float(gnorm))
+            metrics.update(m, loss=loss.item(), grad_norm=gnorm)
     model.eval()
     elapsed = time.perf_counter() - t_start
     n_tokens = int(sb.completion_mask.sum())
@@ -222,6 +250,10 @@ def train_step(cfg: TrainConfig, ctx: StepContext, step: int) -> dict[str, float
                    tokens=n_tokens, tokens_per_s=n_tokens / elapsed, step_seconds=elapsed,
                    **{f"time_{k}": v for k, v in timer.seconds.items()})
     metrics["skipped_update"] = float(not has_signal)
+    metrics = dist.reduce_metrics(metrics)
+    if dist.world > 1 and cfg.trace_store is not None:  # rank 0 records the global batch
+        samples = sorted((s for part in dist.gather(samples) for s in part),
+                         key=lambda s: (s.anchor, s.group))
     if ctx.recorder is not None:
         ctx.recorder.on_step(step + 1, samples, metrics)
     return metrics
@@ -257,12 +289,14 @@ def score_batch(regime: Any, model: Any, samples: list[Sample], pad: int,
 
 def update_loss(cfg: TrainConfig, model: Any, samples: list[Sample], sb: PackedBatch,
                 teacher_logits: torch.Tensor | None, ctx_rows: list[int],
-                update: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """Student forward (train mode) and the method's loss of one update, with its metrics."""
+                update: int, counts: dict[str, float] | None = None,
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Student forward (train mode) and the method's loss of one update, with its metrics.
+    `counts`: loss denominators (`methods.token_counts`, global under data parallelism)."""
     model.train()
     logits = completion_logits(model, sb).float()  # losses in float32 whatever the precision
     x = LossInputs(logits, sb.completion_ids, sb.completion_mask, teacher_logits,
-                   torch.tensor(ctx_rows, dtype=torch.long, device=logits.device))
+                   torch.tensor(ctx_rows, dtype=torch.long, device=logits.device), counts)
     return method_loss(cfg.method, samples, x, cfg.loss, update=update,
                        group_size=cfg.num_generations)
 
@@ -312,13 +346,21 @@ def make_optimizer(cfg: TrainConfig, model: Any) -> tuple[torch.optim.Optimizer,
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def build_model(cfg: TrainConfig, *, progress: bool) -> tuple[Any, Any, str]:
-    """Load the base model and wrap it for training (LoRA by default). Seeds before LoRA init."""
+def build_model(cfg: TrainConfig, *, progress: bool,
+                device: torch.device | None = None) -> tuple[Any, Any, str]:
+    """Load the base model and wrap it for training (LoRA by default). Seeds before LoRA init.
+    `device` (a rank's device under data parallelism) overrides `cfg.device`."""
     from selfdistill.models import attach_lora, load_model
 
-    lm = load_model(cfg.model, progress=progress)
+    lm = load_model(cfg.model, progress=progress, dtype=getattr(torch, cfg.base_dtype))
     seed_everything(cfg.seed)
-    model = lm.model.to(resolve_device(cfg.device))
+    model = lm.model.to(device or resolve_device(cfg.device))
+    if cfg.gradient_checkpointing:  # `activation_…` is the newer transformers name
+        kw = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     if cfg.lora.enabled:
         model = attach_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha,
                             dropout=cfg.lora.dropout, target_modules=cfg.lora.target_modules)
@@ -343,8 +385,11 @@ def make_teacher_regime(cfg: TrainConfig, tokenizer: Any) -> Any:
 
 
 def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[Row],
-                      anchors: list[Row] = ()) -> StepContext:
-    optimizer, scheduler = make_optimizer(cfg, model)
+                      anchors: list[Row] = (), *, dist: Any = SINGLE,
+                      train_model: Any = None, sampler: Any = None) -> StepContext:
+    """Everything a step needs. Under data parallelism `train_model` is the engine's wrapper
+    of `model` (`Dist.prepare_model`): the optimizer is built over its parameters."""
+    optimizer, scheduler = make_optimizer(cfg, train_model or model)
     regime = make_teacher_regime(cfg, tokenizer)
     graders = None
     if cfg.method in ("sdpo", "grpo"):
@@ -355,7 +400,8 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
         def graders(row: Row) -> Any:
             return make_env(row, reveal=reveal)
     return StepContext(model, tokenizer, regime, optimizer, scheduler, rows, list(anchors),
-                       graders)
+                       graders, sampler=sampler or HFSampler(model, tokenizer), dist=dist,
+                       train_model=train_model)
 
 
 __all__ = ["ROLLOUT_METHODS", "StepContext", "batch_indices", "build_model", "make_step_context",

@@ -53,6 +53,8 @@ class Sample:
     truncated_tokens: int = 0
     anchor: bool = False  # an anchor prompt: teacher prompt = student prompt (TrainConfig)
     old_logprobs: Tensor | None = None  # (T,) per-token log-probs at the first update
+    behaviour_logprobs: list[float] | None = None  # the sampler's log-probs (NaN = unknown)
+    lag: int = 0  # learner steps between the sampler's weights and the learner's (server backend)
     token_logratio: list[float] | None = None  # log p_T − log p_S per completion token (nats)
 
 
@@ -92,20 +94,60 @@ class LossInputs:
     mask: Tensor  # (B, T) bool
     teacher_logits: Tensor | None  # (B_ctx, T, V) for the rows in `ctx_rows`, no gradient
     ctx_rows: Tensor  # (B_ctx,) long: which rows of the batch have teacher context
+    counts: dict[str, float] | None = None  # loss denominators (`token_counts`); None = local
+
+
+def token_counts(samples: list[Sample], mask: Tensor, ctx_rows: list[int]) -> dict[str, float]:
+    """Tokens each loss term averages over: "all" (sft/cpt), "task" and "anchor" (distillation
+    over the rows with a teacher prompt), "graded" (the GRPO term). `mask`: (B, T) bool.
+    Data parallelism sums them over ranks (`Dist.global_counts`)."""
+    tokens = mask.sum(-1).tolist()
+    return {"all": float(sum(tokens)),
+            "task": float(sum(tokens[r] for r in ctx_rows if not samples[r].anchor)),
+            "anchor": float(sum(tokens[r] for r in ctx_rows if samples[r].anchor)),
+            "graded": float(sum(t for t, s in zip(tokens, samples, strict=True)
+                                if s.reward is not None))}
+
+
+def _count(x: LossInputs, key: str) -> float | None:
+    return None if x.counts is None else x.counts[key]
+
+
+def start_policy(samples: list[Sample], logp: Tensor) -> dict[str, float]:
+    """At the first update, fix each sample's `old_logprobs` (the policy its tokens are
+    corrected from): the learner's log-probs, or the sampler's where the sampler lagged
+    (`lag > 0`; unknown entries fall back to the learner's). logp: (B, T) learner log-probs.
+    Returns `sampler_logprob_absdiff` (mean |sampler − learner| over the tokens of unlagged
+    samples: the engines' numerical mismatch) and `sampler_lag` (mean lag) when known."""
+    diffs: list[Tensor] = []
+    for i, s in enumerate(samples):
+        s.old_logprobs = logp[i].detach().clone()
+        if not s.behaviour_logprobs:
+            continue
+        n = min(len(s.behaviour_logprobs), logp.shape[1])
+        beh = torch.tensor(s.behaviour_logprobs[:n], dtype=logp.dtype, device=logp.device)
+        known = ~torch.isnan(beh)
+        if s.lag > 0:
+            s.old_logprobs[:n] = torch.where(known, beh, s.old_logprobs[:n])
+        elif known.any():
+            diffs.append((beh[known] - logp[i, :n].detach()[known]).abs())
+    out = {"sampler_lag": float(sum(s.lag for s in samples)) / max(len(samples), 1)}
+    if diffs:
+        out["sampler_logprob_absdiff"] = float(torch.cat(diffs).mean())
+    return out
 
 
 def method_loss(method: str, samples: list[Sample], x: LossInputs, loss_cfg: Any,
                 *, update: int, group_size: int) -> tuple[Tensor, dict[str, float]]:
     """The scalar loss of one update and its metrics (per-token means over the mask)."""
     logp = token_logprobs(x.student_logits, x.completion_ids)  # (B, T)
+    metrics: dict[str, float] = {}
     if update == 0:
-        for i, s in enumerate(samples):
-            s.old_logprobs = logp[i].detach().clone()
+        metrics.update(start_policy(samples, logp))
     old = torch.stack([s.old_logprobs for s in samples])  # (B, T)
     mask = x.mask
-    metrics: dict[str, float] = {}
     if method in ("sft", "cpt"):
-        nll = masked_mean(-logp, mask)
+        nll = masked_mean(-logp, mask, _count(x, "all"))
         return nll, {"nll": nll.item()}
 
     terms: list[Tensor] = []
@@ -115,7 +157,8 @@ def method_loss(method: str, samples: list[Sample], x: LossInputs, loss_cfg: Any
     if method in ("sdft", "sdpo") or x.ctx_rows.numel():
         anchor = torch.tensor([samples[r].anchor for r in x.ctx_rows.tolist()], dtype=torch.bool,
                               device=logp.device)
-        distill, m, adv = _distillation(logp, old, x, loss_cfg, update, anchor)
+        corrected = update > 0 or any(s.lag > 0 for s in samples)
+        distill, m, adv = _distillation(logp, old, x, loss_cfg, corrected, anchor)
         metrics.update(m)
         if update == 0 and adv is not None:  # token-level credit, kept for the trace store
             for j, row in enumerate(x.ctx_rows.tolist()):
@@ -130,16 +173,18 @@ def method_loss(method: str, samples: list[Sample], x: LossInputs, loss_cfg: Any
         adv = group_advantages(rewards, group_size)
         n = len(graded)  # graded attempts come first, in whole groups
         pg = masked_mean(policy_gradient_objective(logp[:n], old[:n], adv,
-                                                   clip_eps=loss_cfg.clip_eps), mask[:n])
+                                                   clip_eps=loss_cfg.clip_eps), mask[:n],
+                         _count(x, "graded"))
         metrics["pg_loss"] = pg.item()
         terms.append(pg_weight * pg)
     loss = torch.stack(terms).sum() if terms else logp.sum() * 0.0
     return loss, metrics
 
 
-def _distillation(logp: Tensor, old: Tensor, x: LossInputs, cfg: Any, update: int,
+def _distillation(logp: Tensor, old: Tensor, x: LossInputs, cfg: Any, corrected: bool,
                   anchor: Tensor) -> tuple[Tensor, dict[str, float], Tensor | None]:
-    """Divergence over the rows with a teacher prompt (importance-corrected after the first update):
+    """Divergence over the rows with a teacher prompt (importance-corrected when `corrected`:
+    after the first update, or when the sampler lagged the learner):
     token mean over the task rows + `anchor_weight` × token mean over the anchor rows (`anchor`,
     (B_ctx,) bool). Rows without a teacher prompt contribute nothing. Metrics: `distill_loss`
     (task rows) and `anchor_distill_loss` (drift from the teacher on general prompts). Also
@@ -156,13 +201,14 @@ def _distillation(logp: Tensor, old: Tensor, x: LossInputs, cfg: Any, update: in
         topk = cfg.topk if cfg.estimator == "topk" else None
         per_tok = per_token_divergence(s_logits, x.teacher_logits, alpha=cfg.alpha, topk=topk,
                                        add_tail=cfg.add_tail, chunk_size=cfg.chunk_size)
-    if update > 0:
+    if corrected:
         per_tok = per_tok * importance_weights(logp[rows], old[rows], cfg.importance_clip)
     # Task rows and anchor rows are two token means, so `anchor_weight` sets their balance
     # whatever their lengths; with no anchors this is the plain token mean.
     a_mask = mask & anchor[:, None]
     t_mask = mask & ~a_mask
-    loss = masked_mean(per_tok, t_mask) + cfg.anchor_weight * masked_mean(per_tok, a_mask)
+    loss = (masked_mean(per_tok, t_mask, _count(x, "task"))
+            + cfg.anchor_weight * masked_mean(per_tok, a_mask, _count(x, "anchor")))
     with torch.no_grad():
         div = masked_mean(per_tok.detach(), t_mask)
         adv = advantage[mask]

@@ -18,6 +18,7 @@ from selfdistill.evals import evaluate
 from selfdistill.evals.code import evaluate_code, has_tests
 from selfdistill.evals.gate import decide
 from selfdistill.evals.report import plot_run, write_report
+from selfdistill.rollout.base import make_sampler
 from selfdistill.teacher import PrivilegedContext, build_teacher_messages
 from selfdistill.train.checkpoint import (
     latest_checkpoint,
@@ -25,9 +26,11 @@ from selfdistill.train.checkpoint import (
     load_weights_into,
     rng_state,
     save_checkpoint,
+    save_weights,
     set_rng_state,
 )
 from selfdistill.train.config import REQUIRED_COLUMNS, TrainConfig
+from selfdistill.train.dist import Dist
 from selfdistill.train.loop import build_model, make_step_context, train_step
 from selfdistill.train.metrics import MetricsLogger
 
@@ -100,53 +103,66 @@ def _strip(evals: dict[str, dict]) -> dict[str, dict]:
 
 def run_training(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
     """Run (or resume) the job described by `cfg`; returns the summary also written to
-    `OUTPUT_DIR/summary.json`."""
+    `OUTPUT_DIR/summary.json`. Under `accelerate launch` (train/dist.py) every rank trains its
+    shard; rank 0 alone writes files and evaluates, the other ranks return `{"rank": r}`."""
     t_total = time.perf_counter()
+    dist = Dist.from_env()
+    progress = progress and dist.is_main
     rows, suites, anchors = load_datasets(cfg)
     run_dir = Path(cfg.output_dir)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if not resume and (run_dir / "checkpoints" / "index.jsonl").exists():
         raise UserError(f"{run_dir} already holds a run: resume it with "
                         f"`selfdistill train --resume {run_dir}` or set output_dir=...")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    dist.shard(cfg.batch_size, "batch_size")  # fail before loading a model
+    dist.shard(cfg.anchor_batch_size, "anchor_batch_size")
     config_yaml = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    (run_dir / "config.yaml").write_text(config_yaml)
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
-    model, tok, model_path = build_model(cfg, progress=progress)
-    ctx = make_step_context(cfg, model, tok, rows, anchors)
+    model, tok, model_path = build_model(cfg, progress=progress, device=dist.device)
+    ctx = make_step_context(cfg, model, tok, rows, anchors, dist=dist,
+                            train_model=dist.prepare_model(model),
+                            sampler=make_sampler(cfg.rollout, model, tok, run_dir))
     try:
         return _train_and_evaluate(cfg, ctx, run_dir, ckpt, suites, config_yaml, model_path,
                                    t_total, progress)
     finally:
         if ctx.recorder is not None:
             ctx.recorder.close()
+        ctx.sampler.close()
+        dist.close()
 
 
 def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | None,
                         suites: dict[str, list[Row]], config_yaml: str, model_path: str,
                         t_total: float, progress: bool) -> dict:
-    model, tok = ctx.model, ctx.tokenizer
-    logger = MetricsLogger(run_dir)
-    eval_log = MetricsLogger(run_dir, name="evals.jsonl")
+    model, tok, dist = ctx.model, ctx.tokenizer, ctx.dist
+    main = dist.is_main  # rank 0 alone logs, evaluates, records traces and writes checkpoints
+    logger = MetricsLogger(run_dir, enabled=main)
+    eval_log = MetricsLogger(run_dir, name="evals.jsonl", enabled=main)
     start = 0
     if ckpt is not None:
         state = load_state(ckpt)
         load_weights_into(model, ckpt / "weights")
-        ctx.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is not None:  # None: written by a sharded engine (dist.py)
+            ctx.optimizer.load_state_dict(state["optimizer"])
         ctx.scheduler.load_state_dict(state["scheduler"])
         ctx.regime.load_state_dict(state["regime"])
         set_rng_state(state["rng"])
         start = state["step"]
-        logger.truncate_after(start)
-        eval_log.truncate_after(start)
+        if main:
+            logger.truncate_after(start)
+            eval_log.truncate_after(start)
         before, oracle = state["before"], state["oracle"]
-        if cfg.trace_store is not None:
+        if cfg.trace_store is not None and main:
             from selfdistill.train.traces import open_recorder
 
             ctx.recorder = open_recorder(cfg, run_dir, resume_step=start)
-    else:
+    elif main:
         logger.path.unlink(missing_ok=True)
         eval_log.path.unlink(missing_ok=True)
         before = run_suites(model, tok, suites, cfg, progress=progress)
@@ -158,13 +174,20 @@ def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | 
 
             ctx.recorder = open_recorder(cfg, run_dir, resume_step=None)
 
+    else:
+        before = oracle = {}  # only rank 0 evaluates
+
     def checkpoint(step: int) -> None:
-        path = save_checkpoint(run_dir, step, model, {
-            "optimizer": ctx.optimizer.state_dict(), "scheduler": ctx.scheduler.state_dict(),
-            "regime": ctx.regime.state_dict(), "rng": rng_state(),
-            "before": before, "oracle": oracle})
-        if ctx.recorder is not None:
-            ctx.recorder.on_checkpoint(step, path)
+        weights = dist.full_state_dict(ctx.train_model)  # sharded engines only; every rank
+        if main:  # data-parallel ranks hold identical weights and optimizer states
+            path = save_checkpoint(run_dir, step, model, {
+                "optimizer": dist.optimizer_state(ctx.optimizer),
+                "scheduler": ctx.scheduler.state_dict(), "regime": ctx.regime.state_dict(),
+                "rng": rng_state(), "before": before, "oracle": oracle,
+                "world_size": dist.world}, weights)
+            if ctx.recorder is not None:
+                ctx.recorder.on_checkpoint(step, path)
+        dist.barrier()
 
     t_train = time.perf_counter()
     bar = tqdm(range(start, cfg.steps), desc=f"train {cfg.method}", disable=not progress,
@@ -177,7 +200,8 @@ def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | 
         bar.set_postfix({"acc" if k == "rollout_accuracy" else k: f"{v:.3f}"
                          for k, v in shown.items()})
         done = step + 1
-        if cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and done < cfg.steps:
+        if main and cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and \
+                done < cfg.steps:
             task = {k: v for k, v in suites.items() if k != "probes"}
             eval_log.log({"suites": _strip(run_suites(model, tok, task, cfg, progress=False))},
                          done)
@@ -187,7 +211,10 @@ def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | 
     train_seconds = time.perf_counter() - t_train
     if start < cfg.steps or ckpt is None:
         checkpoint(cfg.steps)
-    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
+    weights = dist.full_state_dict(ctx.train_model)
+    if not main:
+        return {"rank": dist.rank}
+    save_weights(model, run_dir / "adapter", weights)
 
     after = run_suites(model, tok, suites, cfg, progress=progress)
     eval_log.log({"suites": _strip(after)}, cfg.steps)

@@ -1,0 +1,150 @@
+"""Rollout backends: seeded sampling that does not depend on the batch around a sample, the lag
+correction from the sampler's log-probs, and training against a real `selfdistill serve` process
+(the same code path as a vLLM server: /v1/completions with token log-probs, runtime LoRA)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from selfdistill.errors import UserError
+from selfdistill.rollout import generate
+from selfdistill.rollout.seeding import GumbelSampler, sample_seed
+from selfdistill.rollout.server import ServerSampler
+from selfdistill.train.methods import Sample, start_policy
+from tests.serve_world import free_port
+from tests.test_distributed import launch
+
+ROOT = Path(__file__).resolve().parent.parent
+KNOWLEDGE = ROOT / "examples" / "knowledge.yaml"
+
+
+def test_a_seeded_completion_does_not_depend_on_its_batch(tiny_model, tokenizer):
+    prompts = [[1, 504, 3458], [1, 2000, 17, 99, 5], [1, 42], [1, 7, 8, 9]]
+    seeds = [sample_seed(0, 3, 0, i) for i in range(4)]
+    kw = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.95}
+    together = generate(tiny_model, tokenizer, prompts, seeds=seeds, batch_size=4, **kw)
+    alone = [generate(tiny_model, tokenizer, [p], seeds=[s], **kw)[0]
+             for p, s in zip(prompts[::-1], seeds[::-1], strict=True)][::-1]
+    assert [g[0].token_ids for g in together] == [g[0].token_ids for g in alone]
+    other = generate(tiny_model, tokenizer, prompts[:1], seeds=[seeds[0] + 1], **kw)
+    assert other[0][0].token_ids != together[0][0].token_ids
+    # the recorded log-probs are the raw (temperature-1) log-probs of the sampled tokens
+    c = together[1][0]
+    ids = torch.tensor([prompts[1] + c.token_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(tiny_model(input_ids=ids).logits[0], -1)
+    want = [float(lp[len(prompts[1]) - 1 + i, t]) for i, t in enumerate(c.token_ids)]
+    assert c.logprobs == pytest.approx(want, abs=1e-4)
+
+
+def test_gumbel_sampler_draws_from_the_tempered_nucleus():
+    """Frequencies over 4000 seeded draws match softmax(z / T) restricted to the top-p nucleus
+    (within 4 binomial standard deviations); tokens outside the nucleus never appear."""
+    z = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -4.0])
+    T, top_p, n = 0.7, 0.9, 4000
+    p = torch.softmax(z / T, -1)
+    keep = torch.cumsum(p, 0) - p < top_p  # the smallest prefix holding top_p of the mass
+    want = torch.where(keep, p, torch.zeros_like(p))
+    want = want / want.sum()
+    sampler = GumbelSampler([sample_seed(1, 0, 0, i) for i in range(n)], temperature=T,
+                            top_p=top_p)
+    draws = sampler(torch.zeros(n, 1, dtype=torch.long), z.expand(n, -1).clone()).argmax(-1)
+    freq = torch.bincount(draws, minlength=len(z)).double() / n
+    assert not keep.all() and freq[~keep].sum() == 0
+    for f, q in zip(freq.tolist(), want.tolist(), strict=True):
+        assert abs(f - q) <= 4 * math.sqrt(q * (1 - q) / n) + 1e-9
+
+
+def test_lagged_samples_are_corrected_from_the_samplers_logprobs():
+    row = SimpleNamespace(answers=[])
+    fresh = Sample(0, row, 0, [1], [5, 6, 7], behaviour_logprobs=[-1.0, -2.0, -3.0])
+    lagged = Sample(1, row, 1, [1], [5, 6, 7], behaviour_logprobs=[-1.5, math.nan, -0.5],
+                    lag=2)
+    logp = torch.tensor([[-1.01, -2.0, -3.02], [-1.0, -1.0, -1.0]])
+    m = start_policy([fresh, lagged], logp)
+    assert fresh.old_logprobs.tolist() == pytest.approx([-1.01, -2.0, -3.02])  # the learner's
+    assert lagged.old_logprobs.tolist() == pytest.approx([-1.5, -1.0, -0.5])  # NaN → learner
+    assert m["sampler_lag"] == 1.0
+    assert m["sampler_logprob_absdiff"] == pytest.approx(0.01, abs=1e-6)  # unlagged rows only
+
+
+def test_an_unreachable_server_is_one_clear_error(tokenizer, tmp_path):
+    sampler = ServerSampler(f"http://127.0.0.1:{free_port()}", tokenizer, push_dir=tmp_path,
+                            timeout=5)
+    with pytest.raises(UserError, match=r"unreachable .*rollout.url"):
+        sampler.call("/v1/completions", {"model": "x", "prompt": [1]})
+
+
+@pytest.fixture(scope="module")
+def serve_process(tiny_dir, tmp_path_factory):
+    """`selfdistill serve` on the tiny model in its own process, runtime LoRA loading on."""
+    home, port = tmp_path_factory.mktemp("serve_home"), free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    log = open(home / "server.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([sys.executable, "-m", "selfdistill", "--quiet", "serve",
+                             f"model={tiny_dir}", f"home={home}", f"port={port}", "threads=1",
+                             "lora_updates=true", "learner.enabled=false"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2):
+                break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail("selfdistill serve did not start:\n" +
+                            (home / "server.log").read_text()[-2000:])
+            time.sleep(0.3)
+    yield SimpleNamespace(url=url, home=home)
+    proc.terminate()
+    proc.wait(30)
+    log.close()
+
+
+def _models(url: str) -> list[str]:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        return [m["id"] for m in json.load(r)["data"]]
+
+
+def test_two_ranks_sample_from_a_real_server_and_push_the_adapter(serve_process, tiny_dir,
+                                                                   tmp_path, tokenizer):
+    run = tmp_path / "run"
+    res = launch(2, "train", str(KNOWLEDGE), f"model={tiny_dir}", f"output_dir={run}",
+                 "steps=3", "batch_size=2", "max_new_tokens=6", "eval.max_new_tokens=2",
+                 "eval.oracle=false", "probe_data=null", "checkpoint_every=0", "threads=1",
+                 "rollout.backend=server", f"rollout.url={serve_process.url}",
+                 "rollout.push_every=2", "rollout.concurrency=2", "precision=float32")
+    assert res.returncode == 0, res.stderr[-3000:]
+    # versions 0 and 2 were pushed (push_every=2); the server now serves only the newest
+    pushed = sorted(p.name for p in (run / "pushed").iterdir())
+    assert pushed == ["selfdistill-step000000", "selfdistill-step000002"]
+    served = _models(serve_process.url)
+    assert "selfdistill-step000002" in served and "selfdistill-step000000" not in served
+    m = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # step 2 sampled from version 0 (lag 1): corrected with the server's log-probs; steps 1
+    # and 3 sampled from the learner's own weights: the server's log-probs equal the learner's
+    assert [x["sampler_lag"] for x in m] == [0.0, 1.0, 0.0]
+    for x in (m[0], m[2]):
+        assert x["sampler_logprob_absdiff"] < 1e-4
+    assert "sampler_logprob_absdiff" not in m[1]
+    # completions carry the version they were sampled with
+    sampler = ServerSampler(serve_process.url, tokenizer, push_dir=run / "pushed",
+                            push_every=2)
+    sampler.sync(None, 3)  # version 2 exists on disk: reloaded under a new load call
+    (c,), = sampler.sample([[1, 504, 3458]], n=1, max_new_tokens=4, temperature=1.0, top_p=1.0,
+                           seeds=[5])
+    assert c.meta == {"adapter": "selfdistill-step000002", "adapter_version": 2}
+    assert len(c.logprobs) == len(c.token_ids) and all(v <= 0 for v in c.logprobs)
