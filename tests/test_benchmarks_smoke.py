@@ -1,19 +1,46 @@
-"""Benchmarks are not timed tests: CI only smoke-runs them with a tiny setting."""
+"""Benchmarks are not timed tests: CI only smoke-runs them with a tiny setting (tiny random model
+where a model is needed) so they cannot rot. What they measure is in benchmarks/README.md."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _run(script: str, tmp_path: Path, *args: str, timeout: int = 600) -> str:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args,
+                          "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
 def test_loss_kernels_quick_runs_and_reports(tmp_path):
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loss_kernels.py"), "--quick",
-                          "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
+    _run("loss_kernels.py", tmp_path, "--quick")
     table = (tmp_path / "loss_kernels_quick.md").read_text()
     for row in ("| full | plain", "| full | chunked", "| topk100+tail | chunked"):
         assert row in table
     assert (tmp_path / "loss_kernels_quick.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_vs_trl_quick_checks_the_loss_and_times_both_sides(tmp_path):
+    _run("vs_trl.py", tmp_path, "--quick")
+    data = json.loads((tmp_path / "vs_trl_quick.json").read_text())
+    eq = data["check"]["equal_lengths"]
+    # the same function: same loss and gradients on the same batch, to float32 rounding
+    assert eq["trl_loss"] == pytest.approx(eq["our_loss"], rel=1e-4, abs=1e-9)
+    assert eq["grad_max_abs_diff"] <= 1e-3 * eq["grad_max_abs"]
+    for side in ("ours", "trl"):
+        stats = data["stats"][side]
+        assert stats["step"]["n"] == 1 and stats["step"]["median"] > 0
+        assert stats["rss_peak_mib"] > stats["rss_loaded_mib"] > 0
+    report = (tmp_path / "vs_trl_quick.md").read_text()
+    assert "Same loss on the same batch" in report and "peak RSS" in report
+    assert (tmp_path / "vs_trl_quick.png").stat().st_size > 0

@@ -30,18 +30,16 @@ from selfdistill.teacher import (
     PackedBatch,
     build_batch,
     build_teacher_messages,
-    completion_logits,
     make_regime,
 )
 from selfdistill.train.config import TrainConfig
 from selfdistill.train.methods import (
     ROLLOUT_METHODS,
-    LossInputs,
     Sample,
-    method_loss,
     sdft_contexts,
     sdpo_contexts,
 )
+from selfdistill.train.microbatch import student_backward, update_loss
 
 
 def seed_everything(seed: int) -> None:
@@ -195,10 +193,9 @@ def train_step(cfg: TrainConfig, ctx: StepContext, step: int) -> dict[str, float
     has_signal = _has_signal(cfg, samples, ctx_rows)
     metrics: dict[str, float] = {}
     for update in range(cfg.updates_per_batch if has_signal else 0):
-        with timer("student"):
-            with precision(cfg, model):
-                loss, m = update_loss(cfg, model, samples, sb, teacher_logits, ctx_rows, update)
-            loss.backward()
+        with timer("student"):  # forward + loss + backward, in micro-batches when configured
+            loss, m = student_backward(cfg, model, samples, sb, teacher_logits, ctx_rows, update,
+                                       ctx.tokenizer.pad_token_id, lambda: precision(cfg, model))
         with timer("optimizer"):
             params = [p for p in model.parameters() if p.requires_grad]
             gnorm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -246,18 +243,6 @@ def score_batch(regime: Any, model: Any, samples: list[Sample], pad: int,
     sb = build_batch([s.prompt for s in samples], [s.completion for s in samples], pad,
                      device=device)
     return ctx_rows, teacher_logits, sb
-
-
-def update_loss(cfg: TrainConfig, model: Any, samples: list[Sample], sb: PackedBatch,
-                teacher_logits: torch.Tensor | None, ctx_rows: list[int],
-                update: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """Student forward (train mode) and the method's loss of one update, with its metrics."""
-    model.train()
-    logits = completion_logits(model, sb).float()  # losses in float32 whatever the precision
-    x = LossInputs(logits, sb.completion_ids, sb.completion_mask, teacher_logits,
-                   torch.tensor(ctx_rows, dtype=torch.long, device=logits.device))
-    return method_loss(cfg.method, samples, x, cfg.loss, update=update,
-                       group_size=cfg.num_generations)
 
 
 def _has_signal(cfg: TrainConfig, samples: list[Sample], ctx_rows: list[int]) -> bool:
@@ -344,4 +329,4 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
 
 
 __all__ = ["ROLLOUT_METHODS", "StepContext", "batch_indices", "build_model", "make_step_context",
-           "seed_everything", "train_step"]
+           "seed_everything", "train_step", "update_loss"]
