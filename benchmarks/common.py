@@ -204,3 +204,13 @@ def default_model_path() -> str:
     from selfdistill.models import default_model_dir
 
     return str(default_model_dir(progress=False))
+
+
+def train_job(config: Path, overrides: list[str], out_dir: Path) -> dict[str, Any]:
+    """One `selfdistill train CONFIG key=value ...` job in this process, without a trace store;
+    returns its summary (accuracies before / after / oracle, timings)."""
+    from selfdistill.train.config import load_config
+    from selfdistill.train.run import run_training
+
+    cfg = load_config(config, [*overrides, f"output_dir={out_dir}", "trace_store=null"])
+    return run_training(cfg, progress=False)

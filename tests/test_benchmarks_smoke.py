@@ -44,3 +44,35 @@ def test_vs_trl_quick_checks_the_loss_and_times_both_sides(tmp_path):
     report = (tmp_path / "vs_trl_quick.md").read_text()
     assert "Same loss on the same batch" in report and "peak RSS" in report
     assert (tmp_path / "vs_trl_quick.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_utilization_quick_counts_flops_and_compares_with_matmul(tmp_path):
+    _run("utilization.py", tmp_path, "--quick")
+    data = json.loads((tmp_path / "utilization_quick.json").read_text())
+    assert data["counted_flops"] > 0 and data["seconds"] > 0 and data["matmul_flops_per_s"] > 0
+    # LoRA: the honest formula is far below 6 x all params x tokens, and near what was counted
+    assert data["honest_flops"] < data["six_p_n_flops"]
+    assert 0.5 < data["honest_flops"] / data["counted_flops"] < 2.0
+    assert "of matmul FLOP/s" in (tmp_path / "utilization_quick.md").read_text()
+    assert (tmp_path / "utilization_quick.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_knowledge_table_quick_runs_every_arm(tmp_path):
+    _run("knowledge_table.py", tmp_path, "--quick")
+    table = (tmp_path / "knowledge_table_quick.md").read_text()
+    for arm in ("| Base |", "| Oracle (fact in prompt) |", "| CPT |", "| SFT |",
+                "| SDFT (base teacher) |", "| SDFT (EMA teacher) |"):
+        assert arm in table
+    assert (tmp_path / "knowledge_table_quick.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_feedback_vs_scalar_quick_has_a_curve_per_arm(tmp_path):
+    _run("feedback_vs_scalar.py", tmp_path, "--quick")
+    data = json.loads((tmp_path / "feedback_vs_scalar_quick.json").read_text())
+    assert set(data["curves"]) == {"sdpo", "grpo", "sdpo+grpo"}
+    for runs in data["curves"].values():  # evaluated before training and after each step
+        assert [g for g, _ in runs[0]] == [0, 4, 8]
+    assert "GRPO's final accuracy" in (tmp_path / "feedback_vs_scalar_quick.md").read_text()
