@@ -203,7 +203,7 @@ def run_trl(s: Settings) -> dict[str, Any]:
 
 
 def run_side(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Worker entry: ``cfg = {"side": "ours" | "trl" | "check", **Settings}``."""
+    """Worker entry: ``cfg = {"side": "ours" | "ours_lean" | "trl" | "check", **Settings}``."""
     side = cfg.pop("side")
     s = Settings(**cfg)
     if side == "check":
@@ -211,7 +211,7 @@ def run_side(cfg: dict[str, Any]) -> dict[str, Any]:
 
         _setup(s)
         return same_loss_check(s)
-    return run_ours(s) if side == "ours" else run_trl(s)
+    return run_trl(s) if side == "trl" else run_ours(s)  # "ours" or "ours_lean"
 
 
 __all__ = ["Settings", "asdict", "our_config", "run_side", "trl_trainer"]

@@ -18,7 +18,7 @@ differs a little (completion lengths); tokens/s accounts for that.
 
     .venv/bin/python benchmarks/vs_trl.py                    # default: 2 rounds x 3 steps
     .venv/bin/python benchmarks/vs_trl.py --rounds 4 --steps 5
-    .venv/bin/python benchmarks/vs_trl.py --micro-batch-size 2 --chunk-size 64   # ours leaner
+    .venv/bin/python benchmarks/vs_trl.py --micro-batch-size 2 --chunk-size 64   # + ours_lean
     .venv/bin/python benchmarks/vs_trl.py --quick            # CI smoke: tiny random model
 Results: benchmarks/results/vs_trl{suffix}.md / .json / .png.
 """
@@ -29,7 +29,7 @@ import argparse
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,18 +52,25 @@ from common import (
 from trl_side import Settings, run_side
 
 PHASES = ("generate", "teacher", "student", "optimizer", "other")
-SIDES = ("ours", "trl")
+SIDES = ("ours", "trl")  # plus "ours_lean" (micro-batches / chunked loss) when asked for
 
 
-def measure(s: Settings, rounds: int) -> dict[str, Any]:
-    """Alternating rounds (ours, trl / trl, ours / ...), one fresh process per side and round."""
+def side_settings(s: Settings, side: str) -> Settings:
+    """Plain "ours" and TRL run without our memory options; "ours_lean" with them."""
+    if side == "ours_lean":
+        return s
+    return replace(s, micro_batch_size=None, chunk_size=None)
+
+
+def measure(s: Settings, rounds: int, sides: list[str]) -> dict[str, Any]:
+    """Alternating rounds (A B C / C B A / ...), one fresh process per side and round."""
     out: dict[str, Any] = {side: {"steps": [], "rss_peak": 0, "rss_loaded": 0, "errors": []}
-                           for side in SIDES}
+                           for side in sides}
     for i in range(rounds):
-        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+        for side in sides if i % 2 == 0 else sides[::-1]:
             print(f"round {i + 1}/{rounds}: {side} (load {loadavg()})", file=sys.stderr,
                   flush=True)
-            res = spawn(__file__, {"side": side, **asdict(s)})
+            res = spawn(__file__, {"side": side, **asdict(side_settings(s, side))})
             acc = out[side]
             if "error" in res:
                 acc["errors"].append(res["error"])
@@ -97,8 +104,9 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
         f"{s.max_new_tokens} new tokens, temperature 1, LoRA r={s.lora_rank} alpha="
         f"{s.lora_alpha:g} all-linear, top-k {s.topk} + tail, alpha {s.alpha}, frozen-base "
         f"teacher, lr {s.learning_rate:g} constant, seed {s.seed}, {s.threads} torch threads, "
-        f"CPU, float32. Ours: micro_batch_size={s.micro_batch_size}, chunk_size="
-        f"{s.chunk_size}. {rounds} rounds (A B, B A, ...), each side a fresh process: "
+        f"CPU, float32. ours_lean (when present): micro_batch_size={s.micro_batch_size}, "
+        f"chunk_size={s.chunk_size}. {rounds} round(s) (A B C, C B A, ...), each side a fresh "
+        "process: "
         f"{s.warmup} warm-up + {s.steps} timed optimizer steps per round.")
     lines = [header("selfdistill vs TRL SDFTTrainer: speed and memory", settings, *load)]
     lines += ["## Same loss on the same batch", ""]
@@ -124,11 +132,12 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
               "tail bucket is log(1 − Σ top-k), ours sums the rest of the vocabulary (float32 "
               "rounding only); (3) TRL divides logits by the sampling temperature (identity at "
               "temperature 1, used here); (4) each side samples its own completions.", ""]
-    if not any(stats[side]["step"]["n"] for side in SIDES):
+    sides = list(stats)
+    if not any(stats[side]["step"]["n"] for side in sides):
         return "\n".join(lines) + "\n"
     lines += ["## Speed and memory", ""]
     rows = []
-    for side in SIDES:
+    for side in sides:
         st = stats[side]
         rows.append([side, f"{st['step']['median']:.2f}", f"{st['step']['min']:.2f}",
                      f"{st['step']['max']:.2f}", st["step"]["n"],
@@ -138,12 +147,14 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
     lines += [md_table(["side", "step median (s)", "min", "max", "steps",
                         *(f"{p} (s)" for p in PHASES), "tokens/step", "tokens/s",
                         "RSS loaded (MiB)", "peak RSS (MiB)"], rows), ""]
-    o, t = stats["ours"], stats["trl"]
-    lines += [f"**Speed: ours {ratio(t['step']['median'], o['step']['median'])}x TRL's steps/s "
-              f"(median step time; min: {ratio(t['step']['min'], o['step']['min'])}x), "
-              f"{ratio(o['tokens_per_s'], t['tokens_per_s'])}x its tokens/s.** "
-              f"**Memory: our peak RSS {ratio(o['rss_peak_mib'], t['rss_peak_mib'])}x TRL's.** "
-              "Targets: >= 2x steps/s, <= 0.75x peak memory.", ""]
+    t = stats["trl"]
+    for side in (x for x in sides if x != "trl"):
+        o = stats[side]
+        lines += [f"**{side}: {ratio(t['step']['median'], o['step']['median'])}x TRL's "
+                  f"steps/s (median step time; min: {ratio(t['step']['min'], o['step']['min'])}"
+                  f"x), {ratio(o['tokens_per_s'], t['tokens_per_s'])}x its tokens/s; peak RSS "
+                  f"{ratio(o['rss_peak_mib'], t['rss_peak_mib'])}x TRL's.**", ""]
+    lines += ["Targets: >= 2x TRL's steps/s, <= 0.75x its peak memory.", ""]
     for side, errs in errors.items():
         lines += [f"{side} failed in a round: {e[-400:]}" for e in errs]
     return "\n".join(lines) + "\n"
@@ -151,15 +162,17 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
 
 def plot(stats: dict[str, Any], path: Path) -> None:
     plt = pyplot()
+    sides = list(stats)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
-    bottom = [0.0, 0.0]
+    bottom = [0.0] * len(sides)
     for p in PHASES:
-        vals = [stats[side]["phases"][p] for side in SIDES]
-        ax_t.bar(SIDES, vals, bottom=bottom, label=p)
+        vals = [stats[side]["phases"][p] for side in sides]
+        ax_t.bar(sides, vals, bottom=bottom, label=p)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax_t.set_ylabel("seconds per optimizer step (median per phase)")
     ax_t.legend(fontsize=8)
-    ax_m.bar(SIDES, [stats[s]["rss_peak_mib"] for s in SIDES], color=["tab:blue", "tab:gray"])
+    ax_m.bar(sides, [stats[s]["rss_peak_mib"] for s in sides],
+             color=["tab:gray" if s == "trl" else "tab:blue" for s in sides])
     ax_m.set_ylabel("peak RSS (MiB)")
     fig.suptitle("selfdistill vs TRL SDFTTrainer (same settings)")
     fig.tight_layout()
@@ -193,15 +206,16 @@ def main(argv: list[str] | None = None) -> None:
                  threads=args.threads, steps=args.steps, warmup=args.warmup,
                  micro_batch_size=args.micro_batch_size, chunk_size=args.chunk_size,
                  max_new_tokens=16 if args.quick else 64)
+    sides = [*SIDES, "ours_lean"] if args.micro_batch_size or args.chunk_size else [*SIDES]
     start = loadavg()
-    check = spawn(__file__, {"side": "check", **asdict(s)})
+    check = spawn(__file__, {"side": "check", **asdict(side_settings(s, "check"))})
     print(f"same-loss check: {check}", file=sys.stderr, flush=True)
     if args.check_only:
         acc = {side: {"steps": [], "rss_peak": 0, "rss_loaded": 0, "errors": []}
-               for side in SIDES}
+               for side in sides}
     else:
-        acc = measure(s, args.rounds)
-    stats = {side: side_stats(acc[side]) for side in SIDES}
+        acc = measure(s, args.rounds, sides)
+    stats = {side: side_stats(acc[side]) for side in sides}
     suffix = "_quick" if args.quick else ("_check" if args.check_only else "")
     if args.micro_batch_size or args.chunk_size:
         suffix += f"_mb{args.micro_batch_size}_chunk{args.chunk_size}"

@@ -15,7 +15,7 @@ from selfdistill.teacher import make_regime
 from selfdistill.train.config import load_config
 from selfdistill.train.loop import PhaseTimer, score_batch
 from selfdistill.train.methods import Sample
-from selfdistill.train.microbatch import merge_metrics, student_backward
+from selfdistill.train.microbatch import length_order, merge_metrics, student_backward
 
 PAD = 2
 
@@ -90,3 +90,11 @@ def test_merge_metrics_weights_means_and_keeps_extremes():
              (0.75, {"loss": 4.0, "adv_min": -3.0, "adv_max": 0.5}),
              (0.0, {"loss": 9.0, "adv_min": -9.0, "adv_max": 9.0})]  # no tokens: no say
     assert merge_metrics(parts) == {"loss": 3.5, "adv_min": -3.0, "adv_max": 1.0}
+
+
+def test_length_order_groups_similar_lengths_but_keeps_grpo_groups():
+    samples = _samples("sdft")
+    order = length_order("sdft", samples)
+    lengths = [len(samples[i].completion) for i in order]
+    assert lengths == sorted(lengths) and sorted(order) == list(range(len(samples)))
+    assert length_order("grpo", samples) == list(range(len(samples)))

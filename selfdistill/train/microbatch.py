@@ -3,8 +3,9 @@
 Peak memory of an update grows with the rows scored at once: the student's (B, T, V) logits,
 their gradient and the divergence's (B·T, V) intermediates. With `micro_batch_size = m` the
 student runs on ⌈B/m⌉ sub-batches in turn and backpropagates each before the next, so only
-(m, T_m, V) of them are alive at a time (T_m: the micro-batch's own longest completion, so
-padding shrinks too).
+(m, T_m, V) of them are alive at a time (T_m: the micro-batch's own longest completion).
+Rows are grouped by length (`length_order`), so padding — compute spent on nothing — shrinks
+too.
 
 Exactness. The method losses are token means, L = (1/N) Σ_{tokens} ℓ, over the N loss tokens of
 the whole batch (see `loss_tokens`). A micro-batch's loss is the same mean over its own N_i
@@ -40,6 +41,16 @@ def loss_tokens(method: str, samples: list[Sample]) -> int:
     return sum(len(samples[i].completion) for i in loss_rows(method, samples))
 
 
+def length_order(method: str, samples: list[Sample]) -> list[int]:
+    """Row order for micro-batching: by total length (prompt + completion), so rows of similar
+    length share a micro-batch and little compute goes to padding. GRPO keeps the batch order
+    (its groups must stay whole and contiguous)."""
+    if method == "grpo":
+        return list(range(len(samples)))
+    return sorted(range(len(samples)),
+                  key=lambda i: (len(samples[i].completion), len(samples[i].prompt)))
+
+
 def _method(cfg: Any) -> str:
     # sdpo with distillation_weight 0 is pure GRPO over every graded row.
     return "grpo" if cfg.method == "sdpo" and cfg.loss.distillation_weight == 0 else cfg.method
@@ -53,9 +64,9 @@ def student_backward(cfg: Any, model: Any, samples: list[Sample], sb: PackedBatc
     parameters); returns the (detached) loss and its metrics.
 
     `teacher_logits`: (len(ctx_rows), T, V) for the rows `ctx_rows` of the full batch `sb`.
-    `cfg.micro_batch_size` None (or >= B) = one pass over `sb`; otherwise consecutive row slices
-    of that size, each re-packed to its own width, loss weighted by its token share (module
-    docstring). `precision()` returns the forward's autocast context.
+    `cfg.micro_batch_size` None (or >= B) = one pass over `sb`; otherwise slices of that size of
+    the rows in `length_order`, each re-packed to its own width, loss weighted by its token
+    share (module docstring). `precision()` returns the forward's autocast context.
     """
     size = cfg.micro_batch_size or len(samples)
     if size >= len(samples):
@@ -63,19 +74,21 @@ def student_backward(cfg: Any, model: Any, samples: list[Sample], sb: PackedBatc
             loss, metrics = update_loss(cfg, model, samples, sb, teacher_logits, ctx_rows, update)
         loss.backward()
         return loss.detach(), metrics
-    total = max(loss_tokens(_method(cfg), samples), 1)
+    method = _method(cfg)
+    total = max(loss_tokens(method, samples), 1)
     t_row = {row: j for j, row in enumerate(ctx_rows)}
+    order = length_order(method, samples)
     loss_sum, parts = torch.zeros(()), []
     for start in range(0, len(samples), size):
-        part = samples[start:start + size]
-        weight = loss_tokens(_method(cfg), part) / total
-        rows = [i - start for i in range(start, start + len(part)) if i in t_row]
-        device = sb.input_ids.device
+        idx = order[start:start + size]
+        part = [samples[i] for i in idx]
+        weight = loss_tokens(method, part) / total
+        rows = [j for j, i in enumerate(idx) if i in t_row]
         mb = build_batch([s.prompt for s in part], [s.completion for s in part], pad_id,
-                         device=device)
+                         device=sb.input_ids.device)
         t_logits = None
         if rows and teacher_logits is not None:
-            pick = torch.tensor([t_row[start + r] for r in rows], device=teacher_logits.device)
+            pick = torch.tensor([t_row[idx[j]] for j in rows], device=teacher_logits.device)
             t_logits = teacher_logits[pick, :mb.completion_ids.shape[1]]
         with precision():
             loss, metrics = update_loss(cfg, model, part, mb, t_logits, rows, update)
