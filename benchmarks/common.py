@@ -160,6 +160,14 @@ def write_report(out_dir: Path, name: str, markdown: str, data: dict[str, Any] |
     return path
 
 
+def publish(out_dir: Path, name: str, text: str, data: dict[str, Any],
+            plot: Any) -> None:
+    """Print the report, write NAME.md / NAME.json and the plot NAME.png (``plot(path)``)."""
+    print(text)
+    write_report(out_dir, name, text, data)
+    plot(out_dir / f"{name}.png")
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot with the file-only Agg backend."""
     import matplotlib
@@ -214,3 +222,24 @@ def train_job(config: Path, overrides: list[str], out_dir: Path) -> dict[str, An
 
     cfg = load_config(config, [*overrides, f"output_dir={out_dir}", "trace_store=null"])
     return run_training(cfg, progress=False)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write as PNG and close a matplotlib figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def base_parser(doc: str) -> Any:
+    """The options every benchmark has: --quick (CI smoke setting), --threads, --out-dir."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny setting")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS, help="where reports go")
+    return ap

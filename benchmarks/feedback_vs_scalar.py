@@ -21,7 +21,6 @@ Results: benchmarks/results/feedback_vs_scalar{_quick}.md / .json / .png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -29,16 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    RESULTS,
     ROOT,
+    base_parser,
     header,
     loadavg,
     md_table,
     mean_std,
+    publish,
     pyplot,
+    save_figure,
     tiny_model_dir,
     train_job,
-    write_report,
 )
 
 ARMS: dict[str, list[str]] = {
@@ -122,14 +122,11 @@ def plot(curves: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("generated samples")
     ax.set_ylabel("training-question accuracy (%)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random model")
+    ap = base_parser(__doc__)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch-size", type=int, default=4, help="prompts per step")
     ap.add_argument("--generations", type=int, default=4, help="completions per prompt")
@@ -137,8 +134,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -163,10 +158,9 @@ def main(argv: list[str] | None = None) -> None:
                 + (" Quick smoke run on a tiny random model: the numbers mean nothing."
                    if args.quick else ""))
     text = render(curves, settings, (start, loadavg()))
-    print(text)
     name = "feedback_vs_scalar_quick" if args.quick else "feedback_vs_scalar"
-    write_report(args.out_dir, name, text, {"curves": curves, "args": vars(args)})
-    plot(curves, args.out_dir / f"{name}.png")
+    publish(args.out_dir, name, text, {"curves": curves, "args": vars(args)},
+            lambda path: plot(curves, path))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Results: benchmarks/results/knowledge_table{_quick}.md / .json / .png.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import tempfile
@@ -31,16 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    RESULTS,
     ROOT,
+    base_parser,
     header,
     loadavg,
     md_table,
     mean_std,
+    publish,
     pyplot,
+    save_figure,
     tiny_model_dir,
     train_job,
-    write_report,
 )
 
 ARMS: dict[str, list[str]] = {
@@ -160,22 +160,17 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("strict accuracy (%)")
     ax.legend()
     ax.set_title(f"knowledge facts, {res['steps']} steps, {res['n_seeds']} seed(s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random model, 1 step")
+    ap = base_parser(__doc__)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per job (recipe: 20)")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--lr", action="append", default=[], metavar="ARM=VALUE")
     ap.add_argument("--tune", action="store_true", help="pick each arm's lr on the first seed")
     ap.add_argument("--tune-lrs", type=float, nargs="+", default=[1e-3, 3e-3])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     lrs = dict(DEFAULT_LR)
     for item in args.lr:
@@ -204,10 +199,8 @@ def main(argv: list[str] | None = None) -> None:
                 + (" Quick smoke run on a tiny random model: the numbers mean nothing."
                    if args.quick else ""))
     text = render(res, settings, (start, loadavg()))
-    print(text)
     name = "knowledge_table_quick" if args.quick else "knowledge_table"
-    write_report(args.out_dir, name, text, res)
-    plot(res, args.out_dir / f"{name}.png")
+    publish(args.out_dir, name, text, res, lambda path: plot(res, path))
 
 
 if __name__ == "__main__":

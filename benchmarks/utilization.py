@@ -25,7 +25,6 @@ Results: benchmarks/results/utilization{_quick}.md / .json / .png.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -34,14 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    RESULTS,
+    base_parser,
     default_model_path,
     header,
     loadavg,
     md_table,
+    publish,
     pyplot,
+    save_figure,
     tiny_model_dir,
-    write_report,
 )
 
 
@@ -151,22 +151,17 @@ def plot(r: dict[str, Any], path: Path) -> None:
            color=["tab:blue", "tab:gray"])
     ax.set_ylabel("GFLOP/s (float32)")
     ax.set_title(f"utilization {100 * vals[0] / vals[1]:.0f} % of matmul")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random model")
+    ap = base_parser(__doc__)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=48, help="prompt tokens per row")
     ap.add_argument("--completion", type=int, default=64, help="completion tokens per row")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--matmul", type=int, default=2048, help="reference matmul size n")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", help="model directory (default: the embedded default model)")
-    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:
@@ -182,10 +177,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.completion} completion) tokens; top-k 100 + tail divergence; "
                 f"{args.reps} timed passes after a warm-up; matmul n={args.matmul}.")
     text = render(r, settings, (start, loadavg()))
-    print(text)
     name = "utilization_quick" if args.quick else "utilization"
-    write_report(args.out_dir, name, text, r)
-    plot(r, args.out_dir / f"{name}.png")
+    publish(args.out_dir, name, text, r, lambda path: plot(r, path))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Results: benchmarks/results/vs_trl{suffix}.md / .json / .png.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -35,19 +34,20 @@ from typing import Any
 
 from common import (
     MIB,
-    RESULTS,
     ROOT,
+    base_parser,
     default_model_path,
     header,
     loadavg,
     md_table,
+    publish,
     pyplot,
     ratio,
+    save_figure,
     spawn,
     summary,
     tiny_model_dir,
     worker_main,
-    write_report,
 )
 from trl_side import Settings, run_side
 
@@ -175,26 +175,21 @@ def plot(stats: dict[str, Any], path: Path) -> None:
              color=["tab:gray" if s == "trl" else "tab:blue" for s in sides])
     ax_m.set_ylabel("peak RSS (MiB)")
     fig.suptitle("selfdistill vs TRL SDFTTrainer (same settings)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if worker_main(argv, run_side):
         return
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random model, 1 step")
+    ap = base_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds (default 2)")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per process")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads per side")
     ap.add_argument("--model", help="model directory (default: the embedded default model)")
     ap.add_argument("--micro-batch-size", type=int, help="ours: student fwd+bwd micro-batch")
     ap.add_argument("--chunk-size", type=int, help="ours: chunked divergence rows")
     ap.add_argument("--check-only", action="store_true", help="only the same-loss check")
-    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
     if args.quick:
@@ -221,10 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         suffix += f"_mb{args.micro_batch_size}_chunk{args.chunk_size}"
     text = render(s, args.rounds, check, stats, {k: v["errors"] for k, v in acc.items()},
                   (start, loadavg()))
-    print(text)
-    write_report(args.out_dir, f"vs_trl{suffix}", text,
-                 {"settings": asdict(s), "check": check, "stats": stats, "raw": acc})
-    plot(stats, args.out_dir / f"vs_trl{suffix}.png")
+    publish(args.out_dir, f"vs_trl{suffix}", text,
+            {"settings": asdict(s), "check": check, "stats": stats, "raw": acc},
+            lambda path: plot(stats, path))
     tmp.cleanup()
 
 
