@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from common import current_rss_bytes, peak_rss_bytes
@@ -214,4 +214,4 @@ def run_side(cfg: dict[str, Any]) -> dict[str, Any]:
     return run_trl(s) if side == "trl" else run_ours(s)  # "ours" or "ours_lean"
 
 
-__all__ = ["Settings", "asdict", "our_config", "run_side", "trl_trainer"]
+__all__ = ["Settings", "our_config", "run_side", "trl_trainer"]
