@@ -95,7 +95,12 @@ def render(curves: dict[str, Any], settings: str, load: tuple[str, str]) -> str:
         reach = {arm: generations_to_reach([(g, m) for g, m, _ in pts], target)
                  for arm, pts in means.items()}
         lines.append(f"GRPO's final accuracy: {100 * target:.1f} % (base {100 * base:.1f} %).")
-        if target <= base + 1e-9:
+        best = max(m for pts in means.values() for _, m, _ in pts)
+        if best <= base + 1e-9:
+            lines.append("No arm rose above the base model within this budget, so nothing is "
+                         "compared: the budget is too small (a 135M model needs ~10 on-policy "
+                         "visits per question to learn an invented name; raise --steps).")
+        elif target <= base + 1e-9:
             lines.append("GRPO never rose above the base model: with no correct attempt in a "
                          "group, every reward is 0 and every advantage is 0, so the scalar "
                          "reward gives no gradient at all on this task. Generations to reach "
