@@ -147,8 +147,8 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
     lines += [md_table(["side", "step median (s)", "min", "max", "steps",
                         *(f"{p} (s)" for p in PHASES), "tokens/step", "tokens/s",
                         "RSS loaded (MiB)", "peak RSS (MiB)"], rows), ""]
-    t = stats["trl"]
-    for side in (x for x in sides if x != "trl"):
+    t = stats.get("trl")
+    for side in (x for x in sides if x != "trl" and t is not None):
         o = stats[side]
         lines += [f"**{side}: {ratio(t['step']['median'], o['step']['median'])}x TRL's "
                   f"steps/s (median step time; min: {ratio(t['step']['min'], o['step']['min'])}"
@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--micro-batch-size", type=int, help="ours: student fwd+bwd micro-batch")
     ap.add_argument("--chunk-size", type=int, help="ours: chunked divergence rows")
     ap.add_argument("--check-only", action="store_true", help="only the same-loss check")
+    ap.add_argument("--no-check", action="store_true", help="skip the same-loss check")
+    ap.add_argument("--sides", nargs="+", choices=[*SIDES, "ours_lean"],
+                    help="run only these sides (e.g. re-measure one side's memory)")
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
     if args.quick:
@@ -202,8 +205,10 @@ def main(argv: list[str] | None = None) -> None:
                  micro_batch_size=args.micro_batch_size, chunk_size=args.chunk_size,
                  max_new_tokens=16 if args.quick else 64)
     sides = [*SIDES, "ours_lean"] if args.micro_batch_size or args.chunk_size else [*SIDES]
+    sides = args.sides or sides
     start = loadavg()
-    check = spawn(__file__, {"side": "check", **asdict(side_settings(s, "check"))})
+    check = {"error": "skipped (--no-check)"} if args.no_check else spawn(
+        __file__, {"side": "check", **asdict(side_settings(s, "check"))})
     print(f"same-loss check: {check}", file=sys.stderr, flush=True)
     if args.check_only:
         acc = {side: {"steps": [], "rss_peak": 0, "rss_loaded": 0, "errors": []}
@@ -214,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     suffix = "_quick" if args.quick else ("_check" if args.check_only else "")
     if args.micro_batch_size or args.chunk_size:
         suffix += f"_mb{args.micro_batch_size}_chunk{args.chunk_size}"
+    if args.sides:
+        suffix += "_" + "_".join(args.sides)
     text = render(s, args.rounds, check, stats, {k: v["errors"] for k, v in acc.items()},
                   (start, loadavg()))
     publish(args.out_dir, f"vs_trl{suffix}", text,
