@@ -21,6 +21,7 @@ _PLUGINS = (
     "selfdistill.store.cli",
     "selfdistill.evals.compare",
     "selfdistill.registry.cli",
+    "selfdistill.serve.cli",
 )
 
 
@@ -38,9 +39,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from selfdistill.rollout import generate
 
     meta: dict[str, Any] = {"adapter": args.adapter}
-    if args.user or args.workspace:
+    if args.user or args.workspace or args.registry:
         if args.adapter:
-            raise UserError("--adapter and --user/--workspace both choose the adapter: give one")
+            raise UserError("--adapter and --user/--workspace/--registry both choose the adapter: "
+                            "give one")
         from selfdistill.registry import Registry
 
         with Registry(args.registry) as reg:  # user → workspace → global → base
@@ -102,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", default=None, help="resolve the adapter from the registry for this "
                    "user (user → workspace → global → base)")
     p.add_argument("--workspace", default=None, help="the workspace for registry resolution")
-    p.add_argument("--registry", default=None, help="registry path or URL for --user/--workspace "
-                   "(default $SELFDISTILL_HOME/registry.db, else ./.selfdistill/registry.db)")
+    p.add_argument("--registry", default=None, help="resolve the adapter from this registry (path "
+                   "or URL; with only --user/--workspace: $SELFDISTILL_HOME/registry.db, else "
+                   "./.selfdistill/registry.db); without --user/--workspace: the global adapter")
     p.add_argument("--json", action="store_true", help="print text and adapter metadata as JSON")
     _add_model_args(p)
     p.set_defaults(func=_cmd_generate)

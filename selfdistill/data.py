@@ -6,7 +6,11 @@ Row formats (README "Data formats"):
 - demonstration row: `{"prompt": ..., "privileged_context": str, "context_kind"?: str,
   "answer"?: ...}`; `context_kind` says how the teacher is shown the context (a kind of
   `selfdistill.teacher.KINDS`: "demonstration", the default, is an example response; "fact" is
-  background knowledge the answer needs).
+  background knowledge the answer needs; "system_prompt" becomes the teacher's system message,
+  "instructions" standing instructions in the user turn).
+- a row may carry `"rule": {...}` (see `selfdistill.rules`): a format check; where an `answer`
+  is required, a `rule` may take its place, and a row with a rule is correct when its
+  completion follows the rule (and contains an answer, if it also has one).
 A plain-string prompt means one user message. Every problem is reported with file and line.
 """
 
@@ -19,6 +23,7 @@ from typing import Any
 
 from selfdistill.chat import ROLES, Message, to_messages
 from selfdistill.errors import DataError
+from selfdistill.rules import Rule, follows_rule, parse_rule
 from selfdistill.teacher.contexts import KINDS
 
 
@@ -32,6 +37,7 @@ class Row:
     context_kind: str = "demonstration"  # how the teacher sees privileged_context
     extra: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # "file:line", for error messages and traces
+    rule: Rule | None = None  # a format check (see selfdistill.rules)
 
 
 def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
@@ -94,7 +100,7 @@ def load_rows(
     out = []
     for lineno, obj in read_jsonl(path):
         for col in require:
-            if col not in obj:
+            if col not in obj and not (col == "answer" and "rule" in obj):
                 raise DataError(path, lineno, f"missing '{col}' (a {purpose} row needs "
                                 f"{', '.join(repr(c) for c in require)})")
         if "prompt" not in obj:
@@ -108,9 +114,14 @@ def load_rows(
         if kind not in KINDS:
             raise DataError(path, lineno, f"'context_kind' must be one of {', '.join(KINDS)}, "
                             f"got {json.dumps(kind)[:40]}")
+        try:
+            rule = parse_rule(obj["rule"]) if "rule" in obj else None
+        except ValueError as exc:
+            raise DataError(path, lineno, str(exc)) from None
         extra = {k: v for k, v in obj.items()
-                 if k not in {"prompt", "answer", "privileged_context", "context_kind"}}
-        out.append(Row(messages, answers, ctx, kind, extra, source=f"{path}:{lineno}"))
+                 if k not in {"prompt", "answer", "privileged_context", "context_kind", "rule"}}
+        out.append(Row(messages, answers, ctx, kind, extra, source=f"{path}:{lineno}",
+                       rule=rule))
     return out
 
 
@@ -118,3 +129,15 @@ def is_correct(completion: str, answers: list[str]) -> bool:
     """Strict scoring: any reference answer occurs in the completion, case-insensitively."""
     low = completion.lower()
     return any(a.lower() in low for a in answers)
+
+
+def row_correct(row: Row, completion: str) -> bool:
+    """A row's own check: its `rule` (and its answers, when it has both), else `is_correct`."""
+    if row.rule is not None and not follows_rule(completion, row.rule):
+        return False
+    return not row.answers or is_correct(completion, row.answers)
+
+
+def is_graded(row: Row) -> bool:
+    """Whether `row_correct` can score this row (it has an answer or a rule)."""
+    return bool(row.answers) or row.rule is not None

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,16 @@ def load_adapter(model: Any, adapter: str | Path, *, trainable: bool = False) ->
     if not (adapter / "adapter_config.json").is_file():
         raise UserError(f"--adapter {adapter}: not a PEFT adapter directory (expected "
                         "adapter_config.json, e.g. RUN_DIR/adapter from `selfdistill train`)")
-    return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+    with _quiet_peft():
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    # peft calls a transformers method that transformers 5 deprecated; not ours to fix.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield
 
 
 def attach_lora(
@@ -221,7 +231,5 @@ def attach_lora(
         r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
         task_type="CAUSAL_LM",
     )
-    with warnings.catch_warnings():
-        # peft calls a transformers method that transformers 5 deprecated; not ours to fix.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    with _quiet_peft():
         return get_peft_model(model, cfg)

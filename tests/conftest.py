@@ -54,6 +54,19 @@ def make_tiny_model(vocab_size: int = 49152, *, seed: int = 0, hidden: int = 32,
     return model
 
 
+def save_tiny_model(directory, tokenizer, *, seed: int = 0) -> str:
+    """Save a tiny random model (see `make_tiny_model`) with `tokenizer` as an HF directory."""
+    make_tiny_model(hidden=32, layers=2, seed=seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer) -> str:
+    """A tiny random model directory (seed 0) with the real tokenizer, shared by the session."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_model"), tokenizer)
+
+
 @pytest.fixture
 def tiny_model():
     """A fresh tiny random model for each test (seed 0)."""

@@ -31,16 +31,20 @@ MAX_NEW = 8
 PROMPTS = ["What is the capital of France?", "Who wrote Hamlet?", "Name a colour."]
 
 
-def _fit(model, tok, prompts: list[list[int]], word: str, *, steps: int, lr: float) -> None:
-    """Cross-entropy on `word` repeated MAX_NEW times after each prompt (left-padded batch)."""
-    target = tok(word, add_special_tokens=False)["input_ids"] * MAX_NEW
-    seqs = [p + target for p in prompts]
+def _fit(
+    model, tok, prompts: list[list[int]], word: str | list[str], *, steps: int, lr: float
+) -> None:
+    """Cross-entropy on `word` repeated MAX_NEW times after each prompt (left-padded batch);
+    a list gives each prompt its own word (all of one token's length)."""
+    words = [word] * len(prompts) if isinstance(word, str) else word
+    targets = [tok(w, add_special_tokens=False)["input_ids"] * MAX_NEW for w in words]
+    seqs = [p + t for p, t in zip(prompts, targets, strict=True)]
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), tok.pad_token_id)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
-    labels = torch.tensor(target).expand(len(seqs), -1)
+    labels = torch.tensor(targets)  # (B, T)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
     model.train()
@@ -49,7 +53,7 @@ def _fit(model, tok, prompts: list[list[int]], word: str, *, steps: int, lr: flo
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            logits_to_keep=len(target) + 1,
+            logits_to_keep=labels.shape[1] + 1,
         ).logits[:, :-1]  # (B, T, V)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
         opt.zero_grad()

@@ -78,3 +78,15 @@ def test_feedback_vs_scalar_quick_has_a_curve_per_arm(tmp_path):
     for runs in data["curves"].values():  # evaluated before training and after each step
         assert [g for g, _ in runs[0]] == [0, 4, 8]
     assert "GRPO's final accuracy" in (tmp_path / "feedback_vs_scalar_quick.md").read_text()
+
+
+@pytest.mark.slow  # starts a server process (~20-60 s on the shared machine)
+def test_serve_load_quick_runs_and_reports(tmp_path):
+    out = tmp_path / "serve_load.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--quick",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["requests"] > 0 and report["failed"] == 0 and report["feedback_lost"] == 0
+    assert report["feedback_acknowledged"] > 0
+    assert set(report["latency_ms"]) == {"p50", "p90", "p99"}

@@ -485,6 +485,9 @@ def test_cli(world, tmp_path, capsys):
     assert meta["adapter"] == g["id"] and meta["resolution"] == {
         "scope": "global", "version": g["id"],
         "order": ["user:alice", "workspace:acme", "global"]}
+    assert main(gen) == 0  # --registry alone: the global adapter
+    meta = json.loads(capsys.readouterr().out)
+    assert meta["resolution"] == {"scope": "global", "version": g["id"], "order": ["global"]}
     assert main([*gen, "--user", "alice", "--adapter", str(good / "adapter")]) == 2
     assert "give one" in capsys.readouterr().err
     code, d = cli(capsys, "diff", g["short"], h["short"], *r, "--json")

@@ -40,6 +40,7 @@ TABLES = {
     "runs", "attempts", "feedback", "teacher_contexts", "training_steps", "step_attempts",
     "checkpoints", "alembic_version",
     "adapter_versions", "adapter_scopes", "adapter_activations", "adapter_gate_runs",
+    "serve_tenants", "serve_completions", "serve_lessons", "serve_rounds", "serve_deletions",
 }  # fmt: skip
 
 

@@ -14,19 +14,10 @@ from selfdistill.errors import UserError
 from selfdistill.store import TraceStore, sha256_file
 from selfdistill.train import load_config, run_training
 from selfdistill.train.replay import replay_step
-from tests.conftest import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOWLEDGE = ROOT / "examples" / "knowledge"
 EXAMPLES = ROOT / "examples"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    d = tmp_path_factory.mktemp("tiny_model")
-    make_tiny_model(hidden=32, layers=2).save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return str(d)
 
 
 def tiny_cfg(tiny_dir, out, *over, config=None):

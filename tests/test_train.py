@@ -18,17 +18,8 @@ from safetensors.torch import load_file
 from selfdistill.errors import ConfigError, DataError
 from selfdistill.train import load_config, run_training
 from selfdistill.train.loop import batch_indices
-from tests.conftest import make_tiny_model
 
 KNOWLEDGE = Path(__file__).resolve().parent.parent / "examples" / "knowledge"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    d = tmp_path_factory.mktemp("tiny_model")
-    make_tiny_model(hidden=32, layers=2).save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return str(d)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +119,30 @@ def test_no_context_samples_get_no_distillation_loss():
 
     ref = per_token_divergence(logits[1:], teacher, alpha=0.0).mean()
     assert torch.allclose(loss1, ref)
+
+
+@pytest.mark.parametrize("environment_feedback", [True, False])
+def test_sdpo_contexts_siblings_and_feedback(environment_feedback):
+    """A failed attempt gets a successful sibling's text (first) and its own feedback; a success
+    gets nothing (not its own solution); without environment feedback only siblings teach."""
+    from selfdistill.envs.base import Feedback
+    from selfdistill.train.methods import Sample, sdpo_contexts
+
+    def attempt(i: int, reward: float) -> Sample:
+        fb = Feedback(reward, f"why {i}", "wrong_answer", reward == 1.0)
+        return Sample(i, None, 0, [1], [2], text=f"code {i}", reward=reward, feedback=fb)
+
+    win, lose = attempt(0, 1.0), attempt(1, 0.5)
+    sdpo_contexts([win, lose], success_threshold=1.0, sibling_solutions=True, include_self=False,
+                  feedback_for_successes=False, environment_feedback=environment_feedback)
+    assert win.contexts == []
+    want = [("solution", "code 0")] + [("feedback", "why 1")] * environment_feedback
+    assert [(c.kind, c.text) for c in lose.contexts] == want
+    alone = attempt(2, 0.0)  # no successful sibling: feedback or nothing
+    sdpo_contexts([alone], success_threshold=1.0, sibling_solutions=True, include_self=False,
+                  feedback_for_successes=False, environment_feedback=environment_feedback)
+    got = [(c.kind, c.text) for c in alone.contexts]
+    assert got == [("feedback", "why 2")] * environment_feedback
 
 
 def test_anchor_teacher_sees_the_student_prompt_and_starts_at_zero_divergence(
@@ -267,3 +282,32 @@ def test_builtin_anchors_are_disjoint_from_the_probes():
     anchors = norm(load_rows(BUILTIN_ANCHORS, require=("prompt",), purpose="anchor"))
     probes = norm(load_rows(BUILTIN_PROBES, require=("prompt", "answer"), purpose="probe"))
     assert len(anchors) >= 40 and not anchors & probes
+
+
+@pytest.mark.parametrize("estimator", ["full", "sampled"])
+def test_teacher_rows_line_up_when_the_longest_completion_has_no_context(tiny_model, estimator):
+    """SDPO: a successful attempt (no teacher context) may be the longest completion of the batch.
+    The teacher's logits must still have the student batch's width, position by position."""
+    from selfdistill.teacher import make_regime
+    from selfdistill.train.config import LossConfig
+    from selfdistill.train.loop import PhaseTimer, score_batch
+    from selfdistill.train.methods import LossInputs, Sample, method_loss
+
+    model = tiny_model
+    prompt = [5, 6, 7]
+    short = Sample(0, None, 0, prompt, [11, 12], reward=0.0)
+    long = Sample(1, None, 0, prompt, [13, 14, 15, 16, 17], reward=1.0)  # a success: no context
+    short.teacher_prompt = [5, 6, 7, 8, 9]
+    ctx_rows, t_logits, sb = score_batch(make_regime("live"), model, [short, long], 0,
+                                         PhaseTimer())
+    assert ctx_rows == [0] and t_logits.shape[:2] == (1, 5)
+    assert sb.completion_ids.shape == (2, 5)
+    with torch.no_grad():  # the aligned positions are the teacher's real predictions
+        ref = model(input_ids=torch.tensor([short.teacher_prompt + short.completion])).logits
+    torch.testing.assert_close(t_logits[0, :2], ref[0, 4:6], rtol=1e-4, atol=1e-4)
+    logits = model(input_ids=sb.input_ids, attention_mask=sb.attention_mask,
+                   position_ids=sb.position_ids).logits[:, -6:-1].float()
+    x = LossInputs(logits, sb.completion_ids, sb.completion_mask, t_logits, torch.tensor([0]))
+    loss, _ = method_loss("sdpo", [short, long], x, LossConfig(estimator=estimator), update=0,
+                          group_size=2)
+    assert torch.isfinite(loss) and loss.item() != 0.0

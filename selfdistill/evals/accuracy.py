@@ -1,4 +1,5 @@
-"""Strict accuracy: greedy answers, correct when any reference string occurs (case-insensitive)."""
+"""Strict accuracy: greedy answers, correct when any reference string occurs (case-insensitive)
+and, for rows with a `rule` (selfdistill.rules), when the answer follows the rule."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from selfdistill.chat import Message, prompt_ids
-from selfdistill.data import Row, is_correct
+from selfdistill.data import Row, row_correct
 from selfdistill.rollout import generate
 
 
@@ -68,7 +69,7 @@ def evaluate(
     texts = [""] * len(rows)
     for i, group in zip(order, outs, strict=True):
         texts[i] = group[0].text
-    items = [EvalItem(build(r), t, r.answers, is_correct(t, r.answers))
+    items = [EvalItem(build(r), t, r.answers, row_correct(r, t))
              for r, t in zip(rows, texts, strict=True)]
     acc = sum(i.correct for i in items) / len(items) if items else 0.0
     return EvalReport(acc, len(items), items)

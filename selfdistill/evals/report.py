@@ -20,7 +20,8 @@ def write_report(run_dir: Path, summary: dict[str, Any], metrics: list[dict[str,
              f"Run directory: `{run_dir}`  ", f"Steps: {summary['steps']} · "
              f"wall time: {summary['train_seconds']:.0f} s training, "
              f"{summary['total_seconds']:.0f} s in all", "",
-             "## Accuracy (strict: the answer string occurs in the greedy completion)", "",
+             "## Accuracy (strict: the answer string occurs in the greedy completion; "
+             "rows with a `rule`: the completion follows it)", "",
              "| suite | n | before | after | oracle (context in prompt) |",
              "|---|---:|---:|---:|---:|"]
     for name in after:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from selfdistill.data import Row, load_rows
+from selfdistill.data import Row, is_graded, load_rows
 from selfdistill.errors import UserError
 from selfdistill.evals.gate import GateCheck, GateVerdict, decide
 
@@ -161,7 +161,7 @@ def load_suites(spec: GateSpec) -> dict[str, list[Row]]:
         rows = [
             r
             for r in load_rows(suite.path, purpose=f"gate suite {name!r}")
-            if r.answers or "tests" in r.extra
+            if is_graded(r) or "tests" in r.extra
         ]
         if not rows:
             raise UserError(

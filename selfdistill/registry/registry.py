@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -64,6 +65,11 @@ class Registry(Lifecycle):
 
         with self.session() as s:
             return load_adapter(model, self._weights(self._version(s, version)))
+
+    def weights_path(self, version: str) -> Path:
+        """The directory holding `version`'s adapter files (UserError if gc removed them)."""
+        with self.session() as s:
+            return self._weights(self._version(s, version))
 
     def load_resolved(
         self,

@@ -59,7 +59,7 @@ def generate(
     """
     was_training = model.training
     model.eval()
-    eos_ids = _eos_ids(model, tokenizer)
+    stop_ids = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id
     flat = [p for p in prompts for _ in range(n)]
     out: list[Completion] = []
@@ -70,7 +70,7 @@ def generate(
             "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         res = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-            pad_token_id=pad_id, eos_token_id=eos_ids, return_dict_in_generate=True,
+            pad_token_id=pad_id, eos_token_id=stop_ids, return_dict_in_generate=True,
             output_logits=True, **kwargs,
         )
         new = res.sequences[:, ids.shape[1]:]  # (b, steps)
@@ -84,7 +84,7 @@ def generate(
                 tok = int(new[row, t])
                 toks.append(tok)
                 lps.append(float(lp[row, t]))
-                if tok in eos_ids:
+                if tok in stop_ids:
                     finished = True
                     break
             text = tokenizer.decode(toks, skip_special_tokens=True)
@@ -95,7 +95,8 @@ def generate(
     return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Token ids that end a generation: the tokenizer's EOS and the generation config's."""
     ids = {tokenizer.eos_token_id}
     cfg_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(cfg_eos, int):

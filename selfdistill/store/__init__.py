@@ -12,10 +12,11 @@ evidence that shaped it and any training batch replayed.
 
 Modules: `models` (tables), `records` (validated write plans), `store` (`TraceStore`),
 `writer` (`TraceWriter`), `migrations` (Alembic, run on open), `cli` (`selfdistill traces`),
-`registry_models` (the adapter registry's tables, used by `selfdistill.registry`).
+`registry_models` (the adapter registry's tables, used by `selfdistill.registry`),
+`serve_models` (the server's tables, used by `selfdistill.serve` and `selfdistill.governance`).
 """
 
-from selfdistill.store import registry_models  # noqa: F401  (its tables join Base.metadata)
+from selfdistill.store import registry_models, serve_models  # noqa: F401  (tables join Base.metadata)
 from selfdistill.store.models import CREDIT_SCOPES, new_id
 from selfdistill.store.records import sha256_file, summarize_token_credit
 from selfdistill.store.store import DB_FILENAME, TraceStore

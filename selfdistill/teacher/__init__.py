@@ -9,6 +9,7 @@ from selfdistill.teacher.contexts import (
     build_teacher_messages,
     truncate_text,
 )
+from selfdistill.teacher.model_teacher import ModelRegime, check_tokenizers, load_teacher
 from selfdistill.teacher.regimes import (
     REGIMES,
     BaseRegime,
@@ -36,6 +37,7 @@ __all__ = [
     "ContextTemplates",
     "EmaRegime",
     "LiveRegime",
+    "ModelRegime",
     "PackedBatch",
     "PrivilegedContext",
     "ScoredBatch",
@@ -44,7 +46,9 @@ __all__ = [
     "TrustRegionRegime",
     "build_batch",
     "build_teacher_messages",
+    "check_tokenizers",
     "completion_logits",
+    "load_teacher",
     "make_regime",
     "model_logits",
     "score_completions",

@@ -2,7 +2,14 @@
 
 The teacher is the same model re-reading the same request with something the student did not
 have. The privileged context is written into the LAST user turn; system messages and earlier turns
-are kept as they are, so student and teacher differ only in that one turn.
+are kept as they are, so student and teacher differ only in that one turn. The one exception is a
+`system_prompt` context (context distillation: make a long system prompt permanent): it becomes
+the system message, put before the student's own system message if there is one, so the teacher
+sees exactly the prompt a deployment with that system prompt would send. Small models often
+ignore their system message: `instructions` puts the same kind of standing instructions into the
+last user turn instead. Measured on the default model (greedy, docs/distillation.md): "Start
+every reply with 'Dear friend,'." as the system message was followed on 0 of 40 questions, after
+the question in the user turn on 33 of 40, and never without it.
 
 Templates follow the reference implementations, reworded for a small chat model:
 - SDPO ("Reinforcement Learning via Self-Distillation", github.com/lasgroup/SDPO) builds
@@ -33,7 +40,10 @@ from typing import Any, Literal
 
 from selfdistill.chat import Message, to_messages
 
-KINDS = ("demonstration", "fact", "solution", "feedback", "ground_truth", "user_followup")
+KINDS = (
+    "demonstration", "fact", "solution", "feedback", "ground_truth", "user_followup",
+    "system_prompt", "instructions",
+)
 # Feedback kinds that environments report (see DESIGN.md); all are rendered as `feedback`.
 FEEDBACK_ALIASES = ("test_failure", "runtime_error", "reviewer_note")
 
@@ -69,7 +79,8 @@ class ContextTemplates:
 
     Each kind's template renders one block from `{text}`; the blocks are concatenated in the order
     the contexts are given and the result fills `{context}` of `wrapper`, whose `{prompt}` is the
-    original content of the last user turn. Literal braces in a template are written `{{ }}`.
+    original content of the last user turn. `system_prompt` blocks go to the system message
+    instead (joined by a blank line), without the wrapper. Literal braces are written `{{ }}`.
     """
 
     demonstration: str = "\n\nThis is an example of a good response to the request:\n{text}"
@@ -80,6 +91,8 @@ class ContextTemplates:
     user_followup: str = (
         "\n\n(The user's reaction to a previous answer: {text} Take it into account.)"
     )
+    system_prompt: str = "{text}"  # the whole system message (see module docstring)
+    instructions: str = "\n\nInstructions for your reply: {text}"
     wrapper: str = "{prompt}{context}\n\nNow answer the request."
 
     def __post_init__(self) -> None:
@@ -149,15 +162,26 @@ def build_teacher_messages(
     if last_user is None:
         raise ValueError("student messages have no user turn to put the teacher context in")
 
-    blocks, cut_total = [], 0
+    blocks, system, cut_total = [], [], 0
     for ctx in contexts:
         text = ctx.text
         if max_context_tokens is not None:
             text, cut = truncate_text(text, tokenizer, max_context_tokens, truncate)
             cut_total += cut
-        blocks.append(getattr(templates, _template_kind(ctx.kind)).format(text=text))
+        kind = _template_kind(ctx.kind)
+        (system if kind == "system_prompt" else blocks).append(
+            getattr(templates, kind).format(text=text))
     if blocks:
         prompt = messages[last_user]["content"]
         content = templates.wrapper.format(prompt=prompt, context="".join(blocks))
         messages[last_user] = {**messages[last_user], "content": content}
+    if system:
+        messages = _with_system("\n\n".join(system), messages)
     return TeacherPrompt(messages=messages, truncated_tokens=cut_total)
+
+
+def _with_system(text: str, messages: list[Message]) -> list[Message]:
+    """`messages` with `text` as the system message, before any system message already there."""
+    if messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{text}\n\n{messages[0]['content']}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

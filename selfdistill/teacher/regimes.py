@@ -6,6 +6,8 @@
 - `ema`: θ_T ← (1−r)·θ_T + r·θ_S after every optimizer step, θ_T starting at the student's
   weights at `setup`, so after k steps θ_T = (1−r)^k·θ_0 + Σ_{j=1..k} r·(1−r)^(k−j)·θ_j.
 - `trust_region`: logits = (1−r)·base + r·live (both under the teacher context).
+- `model`: a different model's weights (on-policy distillation); see `teacher/model_teacher.py`,
+  whose `load_teacher` builds it (it needs the other model and checks its tokenizer).
 
 Departure from a second PEFT adapter for `ema`: the EMA copy is a plain dict of detached tensors,
 one per trainable parameter (with LoRA: the "default" adapter's A/B matrices), substituted for the
@@ -29,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-REGIMES = ("base", "live", "ema", "trust_region")
+REGIMES = ("base", "live", "ema", "trust_region", "model")
 
 
 def is_peft(model: Any) -> bool:
@@ -303,6 +305,9 @@ def make_regime(name: str, *, rate: float = 0.05) -> TeacherRegime:
     `rate` r in (0, 1] is the EMA step for `ema` and the weight of the live logits for
     `trust_region`; the other regimes ignore it.
     """
+    if name == "model":
+        raise ValueError("teacher regime 'model' needs the other model: build it with "
+                         "selfdistill.teacher.load_teacher(path, student_tokenizer)")
     if name not in _CLASSES:
         raise ValueError(f"unknown teacher regime {name!r}: choose one of {', '.join(REGIMES)}")
     if name in ("ema", "trust_region") and not 0.0 < rate <= 1.0:

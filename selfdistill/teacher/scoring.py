@@ -50,11 +50,14 @@ def build_batch(
     pad_id: int,
     *,
     device: torch.device | str | None = None,
+    completion_width: int | None = None,
 ) -> PackedBatch:
     """Pack token ids as `[pad … prompt | completion … pad]` (see module docstring).
 
     Every prompt needs at least one token (the one predicting the first completion token); a
-    completion may be empty (its row is all masked) as long as one is not.
+    completion may be empty (its row is all masked) as long as one is not. `completion_width`
+    (≥ the longest completion; default: the longest) fixes the completion block's width, so a
+    teacher batch over some rows lines up position by position with the student batch.
     """
     if len(prompts) != len(completions) or not prompts:
         raise ValueError(
@@ -65,6 +68,11 @@ def build_batch(
     width_p, width_t = max(map(len, prompts)), max(map(len, completions))
     if width_t == 0:
         raise ValueError("all completions are empty: nothing to score")
+    if completion_width is not None:
+        if completion_width < width_t:
+            raise ValueError(f"completion_width={completion_width} is shorter than the longest "
+                             f"completion ({width_t} tokens)")
+        width_t = completion_width
     rows = len(prompts)
     input_ids = torch.full((rows, width_p + width_t), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from selfdistill.errors import ConfigError
 
 Method = Literal["sdft", "sdpo", "grpo", "sft", "cpt"]
-Regime = Literal["base", "live", "ema", "trust_region"]
+Regime = Literal["base", "live", "ema", "trust_region", "model"]
 Estimator = Literal["full", "topk", "sampled"]
 
 
@@ -36,7 +36,17 @@ class LoraConfig(_Section):
 
 class TeacherConfig(_Section):
     regime: Regime = Field("base", description="teacher weights: base (frozen initial weights, "
-                           "adapter disabled), live (current student), ema, trust_region")
+                           "adapter disabled), live (current student), ema, trust_region, "
+                           "model (another model: teacher.model; on-policy distillation)")
+    model: str | None = Field(None, description="regime=model: the teacher's HF directory (or "
+                              "hub id; 'default' = the embedded model); it must use the "
+                              "student's tokenizer. None = no second model")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="regime=model: the "
+                                                  "teacher's weight and forward precision")
+    context: Literal["same_as_self_distillation", "none"] = Field(
+        "same_as_self_distillation", description="what the teacher reads: the method's "
+        "privileged context (demonstration, feedback, system prompt ...), or none = the "
+        "student's prompt only (classic on-policy distillation; needs regime=model)")
     rate: float = Field(0.05, ge=0, le=1, description="EMA rate r (teacher ← (1−r)·teacher + "
                         "r·student per step) or trust-region mix r (logits = lerp(base, live, r))")
     max_context_tokens: int | None = Field(
@@ -72,6 +82,9 @@ class SdpoConfig(_Section):
                                "solution context (off as in the SDPO reference)")
     feedback_for_successes: bool = Field(False, description="also distill successful attempts "
                                          "under their own (positive) feedback")
+    environment_feedback: bool = Field(True, description="the grader's feedback text goes into "
+                                       "failed attempts' teacher context; false = only "
+                                       "successful siblings teach")
     reveal_answer: bool = Field(True, description="QA feedback names the expected answer")
 
 
@@ -165,6 +178,14 @@ class TrainConfig(_Section):
                              "set num_generations >= 2")
         if self.micro_batch_size:
             _check_micro_batch(self)
+        if (self.teacher.regime == "model") != (self.teacher.model is not None):
+            raise ValueError("teacher.regime=model and teacher.model go together: name the "
+                             "teacher's model directory with teacher.model=PATH, or pick "
+                             "another regime and drop teacher.model")
+        if self.teacher.context == "none" and self.teacher.regime != "model":
+            raise ValueError("teacher.context=none makes the teacher read the student's own "
+                             "prompt: with the student's weights that is no signal; use "
+                             "teacher.regime=model")
         if self.anchor_batch_size:
             if self.anchor_data is None:
                 raise ValueError("anchor_batch_size > 0 needs anchor_data (a JSONL of prompts, "
@@ -212,8 +233,11 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: str | Path | None, overrides: list[str] = (),
+                schema: type[BaseModel] | None = None) -> Any:
     """Read a YAML config and apply `key=value` / `section.key=value` overrides.
+
+    `schema` is the config class (default `TrainConfig`; `selfdistill serve` passes its own).
 
     Values are parsed as YAML (so `steps=10` is an int, `model=null` is None). Relative data
     paths in the file are resolved against the file's directory.
@@ -239,7 +263,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         value = yaml.safe_load(raw) if raw else ""
         _set_dotted(tree, key.strip(), value)
     try:
-        return TrainConfig.model_validate(tree)
+        return (schema or TrainConfig).model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc, path)) from None
 
@@ -253,6 +277,8 @@ def _resolve_paths(tree: dict[str, Any], base: Path) -> None:
     for key in ("train_data", "probe_data", "anchor_data"):
         if key in tree:
             tree[key] = fix(tree[key])
+    if isinstance(tree.get("teacher"), dict) and "model" in tree["teacher"]:
+        tree["teacher"]["model"] = fix(tree["teacher"]["model"])
     if isinstance(tree.get("eval_data"), dict):
         tree["eval_data"] = {k: fix(v) for k, v in tree["eval_data"].items()}
 
@@ -264,7 +290,7 @@ def _format_validation(exc: ValidationError, path: Path | None) -> str:
         loc = ".".join(str(x) for x in err["loc"]) or "config"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (see `selfdistill train --help-config`)"
+            msg = "unknown key (see --help-config)"
         lines.append(f"{loc}: {msg}")
     return where + "invalid config: " + "; ".join(lines)
 

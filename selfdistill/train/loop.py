@@ -24,12 +24,13 @@ import numpy as np
 import torch
 
 from selfdistill.chat import prompt_ids
-from selfdistill.data import Row, is_correct
+from selfdistill.data import Row, is_graded, row_correct
 from selfdistill.rollout import generate
 from selfdistill.teacher import (
     PackedBatch,
     build_batch,
     build_teacher_messages,
+    load_teacher,
     make_regime,
 )
 from selfdistill.train.config import TrainConfig
@@ -165,7 +166,8 @@ def attach_contexts(cfg: TrainConfig, ctx: StepContext, samples: list[Sample],
                           success_threshold=cfg.sdpo.success_threshold,
                           sibling_solutions=cfg.sdpo.sibling_solutions,
                           include_self=cfg.sdpo.include_self,
-                          feedback_for_successes=cfg.sdpo.feedback_for_successes)
+                          feedback_for_successes=cfg.sdpo.feedback_for_successes,
+                          environment_feedback=cfg.sdpo.environment_feedback)
     for s in samples:
         if s.contexts:
             tp = build_teacher_messages(s.row.messages, s.contexts, tokenizer=ctx.tokenizer,
@@ -174,6 +176,10 @@ def attach_contexts(cfg: TrainConfig, ctx: StepContext, samples: list[Sample],
             s.teacher_prompt = prompt_ids(ctx.tokenizer, tp.messages)
             s.teacher_messages = tp.messages
             s.truncated_tokens = tp.truncated_tokens
+    if cfg.teacher.context == "none" and cfg.method in ROLLOUT_METHODS:
+        for s in samples:  # classic on-policy distillation: every rollout, no privileged context
+            s.contexts, s.truncated_tokens = [], 0
+        anchors = anchors + samples
     for s in anchors:  # the teacher sees exactly the student's prompt
         s.teacher_prompt, s.teacher_messages = s.prompt, s.row.messages
 
@@ -232,16 +238,17 @@ def score_batch(regime: Any, model: Any, samples: list[Sample], pad: int,
     row indices, and the packed student batch. Shared by `train_step` and `traces replay`."""
     ctx_rows = [i for i, s in enumerate(samples) if s.teacher_prompt is not None]
     device = next(model.parameters()).device
+    sb = build_batch([s.prompt for s in samples], [s.completion for s in samples], pad,
+                     device=device)
+    width = sb.completion_ids.shape[1]  # the longest completion may be a row without context
     teacher_logits = None
     if ctx_rows:
         with timer("teacher"):
             tb = build_batch([samples[i].teacher_prompt for i in ctx_rows],
-                             [samples[i].completion for i in ctx_rows], pad, device=device)
+                             [samples[i].completion for i in ctx_rows], pad, device=device,
+                             completion_width=width)
             teacher_logits = regime.teacher_logits(
-                model, tb.input_ids, tb.attention_mask, tb.position_ids,
-                tb.completion_ids.shape[1] + 1)[:, :-1].float()
-    sb = build_batch([s.prompt for s in samples], [s.completion for s in samples], pad,
-                     device=device)
+                model, tb.input_ids, tb.attention_mask, tb.position_ids, width + 1)[:, :-1].float()
     return ctx_rows, teacher_logits, sb
 
 
@@ -267,10 +274,9 @@ def _batch_metrics(samples: list[Sample], ctx_rows: list[int]) -> dict[str, floa
     rewards = [s.reward for s in samples if s.reward is not None]
     if rewards:
         out["reward"] = float(np.mean(rewards))
-    answered = [s for s in samples if s.row.answers]
+    answered = [s for s in samples if is_graded(s.row)]
     if answered and samples[0].text:
-        out["rollout_accuracy"] = float(np.mean([is_correct(s.text, s.row.answers)
-                                                 for s in answered]))
+        out["rollout_accuracy"] = float(np.mean([row_correct(s.row, s.text) for s in answered]))
     return out
 
 
@@ -312,10 +318,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def make_teacher_regime(cfg: TrainConfig, tokenizer: Any) -> Any:
+    """The configured teacher regime; `model` loads the other model once, after checking that
+    its tokenizer is the student's (UserError otherwise)."""
+    if cfg.teacher.regime == "model":
+        return load_teacher(cfg.teacher.model, tokenizer, dtype=cfg.teacher.dtype,
+                            progress=False)
+    return make_regime(cfg.teacher.regime, rate=cfg.teacher.rate)
+
+
 def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[Row],
                       anchors: list[Row] = ()) -> StepContext:
     optimizer, scheduler = make_optimizer(cfg, model)
-    regime = make_regime(cfg.teacher.regime, rate=cfg.teacher.rate)
+    regime = make_teacher_regime(cfg, tokenizer)
     graders = None
     if cfg.method in ("sdpo", "grpo"):
         from selfdistill.envs import make_env
@@ -329,4 +344,4 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
 
 
 __all__ = ["ROLLOUT_METHODS", "StepContext", "batch_indices", "build_model", "make_step_context",
-           "seed_everything", "train_step", "update_loss"]
+           "make_teacher_regime", "seed_everything", "train_step", "update_loss"]

@@ -61,12 +61,14 @@ def sdft_contexts(row: Row) -> list[PrivilegedContext]:
 
 
 def sdpo_contexts(group: list[Sample], *, success_threshold: float, sibling_solutions: bool,
-                  include_self: bool, feedback_for_successes: bool) -> None:
+                  include_self: bool, feedback_for_successes: bool,
+                  environment_feedback: bool = True) -> None:
     """Attach teacher contexts to one group of graded attempts, in place.
 
     A failed attempt gets its feedback text (kind from the grader) and, when some sibling
     succeeded, that sibling's text as `solution` first. A successful attempt gets context only
-    when `include_self` (itself as solution) or `feedback_for_successes` is set.
+    when `include_self` (itself as solution) or `feedback_for_successes` is set. With
+    `environment_feedback` off, only successful siblings teach (no feedback text at all).
     """
     wins = [s for s in group if s.reward is not None and s.reward >= success_threshold]
     for s in group:
@@ -75,7 +77,8 @@ def sdpo_contexts(group: list[Sample], *, success_threshold: float, sibling_solu
         others = [w for w in wins if w is not s or include_self]
         if sibling_solutions and others and (not success or include_self):
             ctx.append(PrivilegedContext("solution", others[0].text))
-        if s.feedback is not None and s.feedback.text and (not success or feedback_for_successes):
+        if (environment_feedback and s.feedback is not None and s.feedback.text
+                and (not success or feedback_for_successes)):
             ctx.append(PrivilegedContext("feedback", s.feedback.text))
         s.contexts = ctx
 

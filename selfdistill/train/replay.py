@@ -26,13 +26,13 @@ from selfdistill.data import Row
 from selfdistill.errors import UserError
 from selfdistill.store import TraceStore
 from selfdistill.store.models import Checkpoint
-from selfdistill.teacher import make_regime
 from selfdistill.train.checkpoint import load_state, load_weights_into
 from selfdistill.train.config import TrainConfig
 from selfdistill.train.loop import (
     PhaseTimer,
     build_model,
     cpt_prompt,
+    make_teacher_regime,
     precision,
     score_batch,
     update_loss,
@@ -121,7 +121,7 @@ def replay_step(store: TraceStore, run_id: str, step: int, *,
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model, tok, _ = build_model(cfg, progress=False)
-    regime = make_regime(cfg.teacher.regime, rate=cfg.teacher.rate)
+    regime = make_teacher_regime(cfg, tok)
     if ckpt is not None:
         load_weights_into(model, ckpt / "weights")
         regime.load_state_dict(load_state(ckpt)["regime"])

@@ -12,7 +12,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from selfdistill.data import Row, load_rows
+from selfdistill.data import Row, is_graded, load_rows
 from selfdistill.errors import DataError, UserError
 from selfdistill.evals import evaluate
 from selfdistill.evals.code import evaluate_code, has_tests
@@ -51,7 +51,7 @@ def load_datasets(cfg: TrainConfig) -> tuple[list[Row], dict[str, list[Row]], li
                 raise DataError(r.source, None, f"method={cfg.method} needs a grader in every "
                                 "row: an 'answer' (QA) or 'tests' (code)")
     suites: dict[str, list[Row]] = {}
-    answered = [r for r in rows if r.answers or has_tests(r)]
+    answered = [r for r in rows if is_graded(r) or has_tests(r)]
     if answered:
         suites["train"] = answered
     for name, path in cfg.eval_data.items():
@@ -172,8 +172,10 @@ def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | 
     for step in bar:
         metrics = train_step(cfg, ctx, step)
         logger.log(metrics, step + 1)
-        bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
-                        acc=f"{metrics.get('rollout_accuracy', float('nan')):.2f}")
+        # QA rows report accuracy; graded rows without an answer (code) report the mean reward.
+        shown = {k: metrics[k] for k in ("loss", "rollout_accuracy", "reward") if k in metrics}
+        bar.set_postfix({"acc" if k == "rollout_accuracy" else k: f"{v:.3f}"
+                         for k, v in shown.items()})
         done = step + 1
         if cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and done < cfg.steps:
             task = {k: v for k, v in suites.items() if k != "probes"}
