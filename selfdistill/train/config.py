@@ -161,6 +161,10 @@ class TrainConfig(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0, description="gradient clip; None = off")
     updates_per_batch: int = Field(1, gt=0, description="optimizer steps per rollout batch "
                                    "(>1 uses importance-ratio clipping)")
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="rows per student forward+backward; the update is split into "
+        "micro-batches whose losses are weighted by their token share, so the gradient equals "
+        "the full batch's (less peak memory, same result); None = the whole batch at once")
     precision: Literal["float32", "bfloat16"] = Field(
         "float32", description="forward-pass precision: bfloat16 = autocast (matmuls in bf16, "
         "about 2× faster on CPUs with AVX512-BF16/AMX; weights, optimizer and losses stay "
@@ -201,6 +205,8 @@ class TrainConfig(_Section):
         if self.method in ("sdpo", "grpo") and self.num_generations < 2:
             raise ValueError(f"method={self.method} compares attempts within a group: "
                              "set num_generations >= 2")
+        if self.micro_batch_size:
+            _check_micro_batch(self)
         if (self.teacher.regime == "model") != (self.teacher.model is not None):
             raise ValueError("teacher.regime=model and teacher.model go together: name the "
                              "teacher's model directory with teacher.model=PATH, or pick "
@@ -230,6 +236,20 @@ class TrainConfig(_Section):
                 raise ValueError("with teacher.regime=live the anchor teacher IS the student "
                                  "(zero loss): use base, ema or trust_region")
         return self
+
+
+def _check_micro_batch(cfg: TrainConfig) -> None:
+    """Micro-batching is exact for a loss that is one token mean (train/microbatch.py)."""
+    if cfg.anchor_batch_size:
+        raise ValueError("micro_batch_size with anchors is not supported (two token means): "
+                         "set anchor_batch_size=0 or micro_batch_size=null")
+    if cfg.method == "sdpo" and 0 < cfg.loss.distillation_weight < 1:
+        raise ValueError("micro_batch_size with an sdpo distillation/GRPO mix is not supported: "
+                         "set loss.distillation_weight to 0 or 1, or micro_batch_size=null")
+    pg = cfg.method == "grpo" or (cfg.method == "sdpo" and cfg.loss.distillation_weight == 0)
+    if pg and cfg.micro_batch_size % cfg.num_generations:
+        raise ValueError(f"micro_batch_size={cfg.micro_batch_size} must be a multiple of "
+                         f"num_generations={cfg.num_generations} (whole GRPO groups)")
 
 
 # Columns each method needs in every training row, checked before any model is loaded.

@@ -31,7 +31,6 @@ from selfdistill.teacher import (
     PackedBatch,
     build_batch,
     build_teacher_messages,
-    completion_logits,
     load_teacher,
     make_regime,
 )
@@ -39,13 +38,12 @@ from selfdistill.train.config import TrainConfig
 from selfdistill.train.dist import SINGLE
 from selfdistill.train.methods import (
     ROLLOUT_METHODS,
-    LossInputs,
     Sample,
-    method_loss,
     sdft_contexts,
     sdpo_contexts,
     token_counts,
 )
+from selfdistill.train.microbatch import student_backward, update_loss
 
 
 def seed_everything(seed: int) -> None:
@@ -230,11 +228,11 @@ def train_step(cfg: TrainConfig, ctx: StepContext, step: int) -> dict[str, float
     counts = dist.global_counts(token_counts(samples, sb.completion_mask, ctx_rows))
     metrics: dict[str, float] = {}
     for update in range(cfg.updates_per_batch if has_signal else 0):
-        with timer("student"):
-            with precision(cfg, model):
-                loss, m = update_loss(cfg, train_model, samples, sb, teacher_logits, ctx_rows,
-                                      update, counts=counts)
-            dist.backward(loss)
+        with timer("student"):  # forward + loss + backward, in micro-batches when configured
+            loss, m = student_backward(cfg, train_model, samples, sb, teacher_logits, ctx_rows,
+                                       update, ctx.tokenizer.pad_token_id,
+                                       lambda: precision(cfg, model), counts=counts,
+                                       backward=dist.backward)
         with timer("optimizer"):
             gnorm = dist.clip_grad_norm_(train_model, cfg.max_grad_norm)
             ctx.optimizer.step()
@@ -285,20 +283,6 @@ def score_batch(regime: Any, model: Any, samples: list[Sample], pad: int,
             teacher_logits = regime.teacher_logits(
                 model, tb.input_ids, tb.attention_mask, tb.position_ids, width + 1)[:, :-1].float()
     return ctx_rows, teacher_logits, sb
-
-
-def update_loss(cfg: TrainConfig, model: Any, samples: list[Sample], sb: PackedBatch,
-                teacher_logits: torch.Tensor | None, ctx_rows: list[int],
-                update: int, counts: dict[str, float] | None = None,
-                ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Student forward (train mode) and the method's loss of one update, with its metrics.
-    `counts`: loss denominators (`methods.token_counts`, global under data parallelism)."""
-    model.train()
-    logits = completion_logits(model, sb).float()  # losses in float32 whatever the precision
-    x = LossInputs(logits, sb.completion_ids, sb.completion_mask, teacher_logits,
-                   torch.tensor(ctx_rows, dtype=torch.long, device=logits.device), counts)
-    return method_loss(cfg.method, samples, x, cfg.loss, update=update,
-                       group_size=cfg.num_generations)
 
 
 def _has_signal(cfg: TrainConfig, samples: list[Sample], ctx_rows: list[int]) -> bool:
@@ -405,4 +389,4 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
 
 
 __all__ = ["ROLLOUT_METHODS", "StepContext", "batch_indices", "build_model", "make_step_context",
-           "make_teacher_regime", "seed_everything", "train_step"]
+           "make_teacher_regime", "seed_everything", "train_step", "update_loss"]

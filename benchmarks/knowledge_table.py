@@ -1,0 +1,207 @@
+"""The knowledge table: Base / Oracle / CPT / SFT / SDFT (frozen-base and EMA teacher) on the
+bundled fictional facts (examples/knowledge), same optimizer-step budget for every method.
+
+Each (method, seed) is one `selfdistill train examples/knowledge.yaml` job with overrides: the
+method, its learning rate, ``--steps``, the seed; no trace store, no intermediate evaluations,
+no checkpoints but the last. Reported per method: strict accuracy on the training questions,
+on the held-out paraphrases and on the forgetting probes (greedy answers), mean and standard
+deviation over the seeds, and the probe drop from Base. Base is the "before" evaluation and
+Oracle the base model with the fact in its prompt (the teacher's ceiling); both are greedy, so
+they do not depend on the seed.
+
+Learning rates (``--lr ARM=VALUE`` to change one): SDFT 3e-3 is the knowledge recipe's, tuned
+on this set (README "Results of the main job"); SFT and CPT default to the same 3e-3 unless
+``--tune`` is given, which first runs every trained arm with each of ``--tune-lrs`` on the first
+seed and keeps the best training-question accuracy (ties: paraphrases, then probes).
+
+    .venv/bin/python benchmarks/knowledge_table.py                     # CPU default (~15 min
+                                                                       # on an idle 2-core box)
+    .venv/bin/python benchmarks/knowledge_table.py --seeds 0 1 2 --steps 20 --tune   # the table
+    .venv/bin/python benchmarks/knowledge_table.py --quick             # CI smoke: tiny model
+Results: benchmarks/results/knowledge_table{_quick}.md / .json / .png.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import (
+    ROOT,
+    base_parser,
+    header,
+    loadavg,
+    md_table,
+    mean_std,
+    publish,
+    pyplot,
+    save_figure,
+    tiny_model_dir,
+    train_job,
+)
+
+ARMS: dict[str, list[str]] = {
+    "CPT": ["method=cpt"],
+    "SFT": ["method=sft"],
+    "SDFT (base teacher)": ["method=sdft", "teacher.regime=base"],
+    "SDFT (EMA teacher)": ["method=sdft", "teacher.regime=ema"],
+}
+DEFAULT_LR = {"CPT": 3e-3, "SFT": 3e-3, "SDFT (base teacher)": 3e-3, "SDFT (EMA teacher)": 3e-3}
+SUITES = ("train", "paraphrases", "probes")
+
+
+def run_arm(overrides: list[str], out_dir: Path) -> dict[str, Any]:
+    """One knowledge training job; its summary (before / after / oracle accuracies)."""
+    return train_job(ROOT / "examples" / "knowledge.yaml",
+                     [*overrides, "checkpoint_every=0", "eval.every_steps=0"], out_dir)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"\W+", "_", name)
+
+
+def accuracies(evals: dict[str, Any]) -> dict[str, float]:
+    return {s: evals[s]["accuracy"] for s in SUITES if s in evals}
+
+
+def run_table(arms: list[str], seeds: list[int], lrs: dict[str, float], common: list[str],
+              work: Path) -> dict[str, Any]:
+    """Every arm x seed; Base and Oracle from the first job's "before" and "oracle"."""
+    out: dict[str, Any] = {"runs": {}, "base": None, "oracle": None}
+    for arm in arms:
+        for seed in seeds:
+            print(f"{arm} seed {seed} lr {lrs[arm]:g} (load {loadavg()})", file=sys.stderr,
+                  flush=True)
+            oracle = "eval.oracle=true" if out["oracle"] is None else "eval.oracle=false"
+            summary = run_arm([*ARMS[arm], *common, f"seed={seed}",
+                               f"learning_rate={lrs[arm]}", oracle],
+                              work / f"{_slug(arm)}-{seed}-{lrs[arm]:g}")
+            out["runs"].setdefault(arm, []).append(accuracies(summary["after"]))
+            if out["base"] is None:
+                out["base"] = accuracies(summary["before"])
+            if out["oracle"] is None:
+                out["oracle"] = accuracies(summary["oracle"])
+    return out
+
+
+def tune(arms: list[str], lrs: list[float], seed: int, common: list[str], work: Path
+         ) -> tuple[dict[str, float], dict[str, Any]]:
+    """Best learning rate per arm on one seed: training accuracy, then paraphrases, probes."""
+    best: dict[str, float] = {}
+    tried: dict[str, Any] = {}
+    for arm in arms:
+        scores = {}
+        for lr in lrs:
+            res = run_table([arm], [seed], {arm: lr}, common, work / "tune")
+            acc = res["runs"][arm][0]
+            scores[lr] = acc
+        best[arm] = max(lrs, key=lambda lr: tuple(scores[lr].get(s, 0.0) for s in SUITES))
+        tried[arm] = {str(lr): acc for lr, acc in scores.items()}
+    return best, tried
+
+
+def render(res: dict[str, Any], settings: str, load: tuple[str, str]) -> str:
+    base, oracle = res["base"], res["oracle"]
+    rows = [["Base", *(f"{100 * base.get(s, float('nan')):.1f}" for s in SUITES), "0.0", "—"],
+            ["Oracle (fact in prompt)",
+             *(f"{100 * oracle[s]:.1f}" if s in oracle else "—" for s in SUITES), "—", "—"]]
+    stats: dict[str, dict[str, tuple[float, float]]] = {}
+    for arm, runs in res["runs"].items():
+        stats[arm] = {s: mean_std([r[s] for r in runs]) for s in SUITES}
+        drop = mean_std([base["probes"] - r["probes"] for r in runs]) if "probes" in base else (
+            float("nan"), float("nan"))
+        stats[arm]["drop"] = drop
+        rows.append([arm, *(f"{100 * m:.1f} ± {100 * sd:.1f}" for m, sd in
+                            (stats[arm][s] for s in SUITES)),
+                     f"{100 * drop[0]:.1f} ± {100 * drop[1]:.1f}", f"{res['lrs'][arm]:g}"])
+    lines = [header("Knowledge table: learning new facts without forgetting", settings, *load),
+             md_table(["method", "training questions (%)", "paraphrases (%)",
+                       "forgetting probes (%)", "probe drop (pts)", "lr"], rows), "",
+             f"Mean ± standard deviation over {res['n_seeds']} seed(s) (± 0.0 with one seed is "
+             "no spread estimate)."]
+    sd, sft = stats.get("SDFT (base teacher)"), stats.get("SFT")
+    if sd and sft and "train" in oracle:
+        checks = [
+            ("SDFT >= 0.9 x Oracle on training questions",
+             sd["train"][0] >= 0.9 * oracle["train"]),
+            ("SDFT >= SFT on paraphrases", sd["paraphrases"][0] >= sft["paraphrases"][0]),
+            ("SDFT probe drop <= SFT's", sd["drop"][0] <= sft["drop"][0]),
+        ]
+        lines += ["", "Targets (SDFT with the frozen-base teacher): " + "; ".join(
+            f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks) + "."]
+    if res.get("tuning"):
+        lines += ["", f"Learning-rate search (seed {res['seeds'][0]}, accuracies after "
+                  f"training): {res['tuning']}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    names = ["Base", "Oracle", *res["runs"]]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(SUITES)
+    for j, suite in enumerate(SUITES):
+        means, errs = [], []
+        for name in names:
+            if name == "Base":
+                m, sd = res["base"].get(suite, 0.0), 0.0
+            elif name == "Oracle":
+                m, sd = res["oracle"].get(suite, 0.0), 0.0
+            else:
+                m, sd = mean_std([r[suite] for r in res["runs"][name]])
+            means.append(100 * m)
+            errs.append(100 * sd)
+        xs = [i + (j - 1) * width for i in range(len(names))]
+        ax.bar(xs, means, width, yerr=errs, capsize=3, label=suite)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("strict accuracy (%)")
+    ax.legend()
+    ax.set_title(f"knowledge facts, {res['steps']} steps, {res['n_seeds']} seed(s)")
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = base_parser(__doc__)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per job (recipe: 20)")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--lr", action="append", default=[], metavar="ARM=VALUE")
+    ap.add_argument("--tune", action="store_true", help="pick each arm's lr on the first seed")
+    ap.add_argument("--tune-lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    args = ap.parse_args(argv)
+    lrs = dict(DEFAULT_LR)
+    for item in args.lr:
+        arm, _, value = item.partition("=")
+        if arm not in ARMS:
+            ap.error(f"--lr {item}: unknown arm {arm!r}; arms: {', '.join(ARMS)}")
+        lrs[arm] = float(value)
+    common = [f"steps={args.steps}", f"threads={args.threads}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if args.quick:
+            args.steps, args.seeds = 1, [0]
+            common = ["steps=1", "batch_size=2", "max_new_tokens=4", "eval.max_new_tokens=4",
+                      f"model={tiny_model_dir(work / 'tiny')}", f"threads={args.threads}"]
+        start = loadavg()
+        tuning = None
+        if args.tune:
+            best, tuning = tune(args.arms, args.tune_lrs, args.seeds[0], common, work)
+            lrs.update(best)
+        res = run_table(args.arms, args.seeds, lrs, common, work)
+    res.update(lrs=lrs, seeds=args.seeds, n_seeds=len(args.seeds), steps=args.steps,
+               tuning=tuning)
+    settings = (f"examples/knowledge.yaml (16 facts, 16 prompts/step, LoRA r=16, forward KL "
+                f"for SDFT) with {args.steps} optimizer steps x 2 updates per batch for every "
+                f"method; seeds {args.seeds}; {args.threads} torch threads, CPU."
+                + (" Quick smoke run on a tiny random model: the numbers mean nothing."
+                   if args.quick else ""))
+    text = render(res, settings, (start, loadavg()))
+    name = "knowledge_table_quick" if args.quick else "knowledge_table"
+    publish(args.out_dir, name, text, res, lambda path: plot(res, path))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
