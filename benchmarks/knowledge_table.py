@@ -43,9 +43,11 @@ from common import (
     train_job,
 )
 
+# The SDFT arms run the shipped recipe (examples/knowledge.yaml, with its anchor rollouts); CPT
+# and SFT make no rollouts, so they cannot have anchors.
 ARMS: dict[str, list[str]] = {
-    "CPT": ["method=cpt"],
-    "SFT": ["method=sft"],
+    "CPT": ["method=cpt", "anchor_batch_size=0", "anchor_data=null"],
+    "SFT": ["method=sft", "anchor_batch_size=0", "anchor_data=null"],
     "SDFT (base teacher)": ["method=sdft", "teacher.regime=base"],
     "SDFT (EMA teacher)": ["method=sdft", "teacher.regime=ema"],
 }
