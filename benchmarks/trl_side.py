@@ -41,6 +41,8 @@ class Settings:
     warmup: int = 1
     micro_batch_size: int | None = None  # ours only
     chunk_size: int | None = None  # ours only
+    gradient_checkpointing: bool = False  # ours only
+    fold_lora: bool = True  # ours only: decode through LoRA-folded weights (rollout.fold_lora)
 
 
 def _setup(s: Settings) -> None:
@@ -54,13 +56,14 @@ def our_config(s: Settings) -> Any:
 
     loss = {"estimator": "topk", "topk": s.topk, "add_tail": True, "alpha": s.alpha,
             "chunk_size": s.chunk_size}
-    extra = {"micro_batch_size": s.micro_batch_size} if s.micro_batch_size else {}
+    extra: dict[str, Any] = {"micro_batch_size": s.micro_batch_size} if s.micro_batch_size else {}
     return TrainConfig(model=s.model, method="sdft", train_data=s.train_data, seed=s.seed,
                        steps=s.warmup + s.steps, batch_size=s.batch_size, num_generations=1,
                        max_new_tokens=s.max_new_tokens, temperature=1.0,
                        learning_rate=s.learning_rate, threads=s.threads, trace_store=None,
                        probe_data=None, lora={"rank": s.lora_rank, "alpha": s.lora_alpha},
-                       teacher={"regime": "base"}, loss=loss, **extra)
+                       teacher={"regime": "base"}, loss=loss, rollout={"fold_lora": s.fold_lora},
+                       gradient_checkpointing=s.gradient_checkpointing, **extra)
 
 
 def run_ours(s: Settings) -> dict[str, Any]:

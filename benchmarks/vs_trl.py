@@ -59,7 +59,7 @@ def side_settings(s: Settings, side: str) -> Settings:
     """Plain "ours" and TRL run without our memory options; "ours_lean" with them."""
     if side == "ours_lean":
         return s
-    return replace(s, micro_batch_size=None, chunk_size=None)
+    return replace(s, micro_batch_size=None, chunk_size=None, gradient_checkpointing=False)
 
 
 def measure(s: Settings, rounds: int, sides: list[str]) -> dict[str, Any]:
@@ -104,8 +104,10 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
         f"{s.max_new_tokens} new tokens, temperature 1, LoRA r={s.lora_rank} alpha="
         f"{s.lora_alpha:g} all-linear, top-k {s.topk} + tail, alpha {s.alpha}, frozen-base "
         f"teacher, lr {s.learning_rate:g} constant, seed {s.seed}, {s.threads} torch threads, "
-        f"CPU, float32. ours_lean (when present): micro_batch_size={s.micro_batch_size}, "
-        f"chunk_size={s.chunk_size}. {rounds} round(s) (A B C, C B A, ...), each side a fresh "
+        f"CPU, float32. ours: {'LoRA-folded' if s.fold_lora else 'PEFT-layer'} decoding "
+        "(rollout.fold_lora). ours_lean (when present): micro_batch_size="
+        f"{s.micro_batch_size}, chunk_size={s.chunk_size}, gradient_checkpointing="
+        f"{s.gradient_checkpointing}. {rounds} round(s) (A B C, C B A, ...), each side a fresh "
         "process: "
         f"{s.warmup} warm-up + {s.steps} timed optimizer steps per round.")
     lines = [header("selfdistill vs TRL SDFTTrainer: speed and memory", settings, *load)]
@@ -189,6 +191,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", help="model directory (default: the embedded default model)")
     ap.add_argument("--micro-batch-size", type=int, help="ours: student fwd+bwd micro-batch")
     ap.add_argument("--chunk-size", type=int, help="ours: chunked divergence rows")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="ours_lean: recompute activations in the backward")
+    ap.add_argument("--no-fold", action="store_true",
+                    help="ours: decode through PEFT's adapter layers (rollout.fold_lora=false)")
     ap.add_argument("--check-only", action="store_true", help="only the same-loss check")
     ap.add_argument("--no-check", action="store_true", help="skip the same-loss check")
     ap.add_argument("--sides", nargs="+", choices=[*SIDES, "ours_lean"],
@@ -203,8 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     s = Settings(model=model, train_data=str(ROOT / "examples/knowledge/train.jsonl"),
                  threads=args.threads, steps=args.steps, warmup=args.warmup,
                  micro_batch_size=args.micro_batch_size, chunk_size=args.chunk_size,
+                 gradient_checkpointing=args.gradient_checkpointing, fold_lora=not args.no_fold,
                  max_new_tokens=16 if args.quick else 64)
-    sides = [*SIDES, "ours_lean"] if args.micro_batch_size or args.chunk_size else [*SIDES]
+    lean = args.micro_batch_size or args.chunk_size or args.gradient_checkpointing
+    sides = [*SIDES, "ours_lean"] if lean else [*SIDES]
     sides = args.sides or sides
     start = loadavg()
     check = {"error": "skipped (--no-check)"} if args.no_check else spawn(
@@ -217,8 +225,10 @@ def main(argv: list[str] | None = None) -> None:
         acc = measure(s, args.rounds, sides)
     stats = {side: side_stats(acc[side]) for side in sides}
     suffix = "_quick" if args.quick else ("_check" if args.check_only else "")
-    if args.micro_batch_size or args.chunk_size:
+    if lean:
         suffix += f"_mb{args.micro_batch_size}_chunk{args.chunk_size}"
+        suffix += "_ckpt" if args.gradient_checkpointing else ""
+    suffix += "_nofold" if args.no_fold else ""
     if args.sides:
         suffix += "_" + "_".join(args.sides)
     text = render(s, args.rounds, check, stats, {k: v["errors"] for k, v in acc.items()},

@@ -56,7 +56,7 @@ def main() -> int:
     p.add_argument("--home", default=None, help="server state directory (default: a temp dir)")
     p.add_argument("--steps", type=int, default=10, help="learner steps per round")
     p.add_argument("--anchors", type=int, default=8, help="anchor prompts per learner step")
-    p.add_argument("--precision", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--precision", default="auto", choices=["float32", "bfloat16", "auto"])
     p.add_argument("--out", default=None, help="write the transcript as JSON here")
     args = p.parse_args()
     home = Path(args.home or tempfile.mkdtemp(prefix="serve-session-"))

@@ -148,3 +148,53 @@ def test_two_ranks_sample_from_a_real_server_and_push_the_adapter(serve_process,
                            seeds=[5])
     assert c.meta == {"adapter": "selfdistill-step000002", "adapter_version": 2}
     assert len(c.logprobs) == len(c.token_ids) and all(v <= 0 for v in c.logprobs)
+
+
+def _tiny_lora(seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    from tests.conftest import make_tiny_model
+
+    model = get_peft_model(make_tiny_model(seed=seed), LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B = 0 at init would make the adapter (and the test) a no-op
+            p.data = torch.randn(p.shape, generator=gen) * 0.5
+    return model
+
+
+def test_folded_lora_generation_is_the_same_function_and_restores_the_model(tokenizer):
+    """Decoding through W + s·B·A gives the tokens and log-probs of decoding through PEFT's
+    layers; afterwards every parameter is bit-identical, trainable flags and the adapter are
+    back (a forward equals the one before), and a disabled adapter is not folded in."""
+    from selfdistill.rollout.hf import folded_lora
+
+    model = _tiny_lora()
+    prompts = [[1, 504, 3458], [1, 2000, 17, 99, 5], [1, 42]]
+    seeds = [sample_seed(0, 1, 0, i) for i in range(3)]
+    ids = torch.tensor([[1, 504, 3458, 17]])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        logits_before = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base_logits = model(input_ids=ids).logits
+    kw = {"max_new_tokens": 12, "temperature": 1.0, "seeds": seeds}
+    plain = generate(model, tokenizer, prompts, fold_lora=False, **kw)
+    folded = generate(model, tokenizer, prompts, fold_lora=True, **kw)
+    assert [g[0].token_ids for g in folded] == [g[0].token_ids for g in plain]
+    for f, p in zip(folded, plain, strict=True):
+        assert f[0].logprobs == pytest.approx(p[0].logprobs, abs=1e-4)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, logits_before)
+        with folded_lora(model) as did:  # inside: the adapter's function, without its layers
+            assert did
+            assert torch.allclose(model(input_ids=ids).logits, logits_before, atol=1e-4)
+        with model.disable_adapter(), folded_lora(model) as did:
+            assert not did  # the base model was asked for: nothing to fold
+            assert torch.equal(model(input_ids=ids).logits, base_logits)
+    # the adapter changes the function, so "same tokens" above compared something real
+    assert not torch.allclose(base_logits, logits_before, atol=1e-3)

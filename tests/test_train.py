@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -311,3 +312,20 @@ def test_teacher_rows_line_up_when_the_longest_completion_has_no_context(tiny_mo
     loss, _ = method_loss("sdpo", [short, long], x, LossConfig(estimator=estimator), update=0,
                           group_size=2)
     assert torch.isfinite(loss) and loss.item() != 0.0
+
+
+def test_precision_auto_uses_bf16_only_where_the_hardware_has_it(monkeypatch):
+    """Emulated bf16 autocast on an AVX2-only CPU made a step ~50x slower than float32, so
+    `auto` (the examples' setting) must fall back to float32 there; explicit values stand."""
+    import selfdistill.train.loop as loop
+
+    cpu = torch.device("cpu")
+    for native, want in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(loop, "native_bf16", lambda device, n=native: n)
+        assert loop.resolve_precision("auto", cpu) == want
+        assert loop.resolve_precision("float32", cpu) == "float32"
+        assert loop.resolve_precision("bfloat16", cpu) == "bfloat16"
+        cfg = SimpleNamespace(precision="auto")
+        model = torch.nn.Linear(2, 2)
+        with loop.precision(cfg, model):
+            assert torch.is_autocast_enabled("cpu") == (want == "bfloat16")

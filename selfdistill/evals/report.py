@@ -19,7 +19,8 @@ def write_report(run_dir: Path, summary: dict[str, Any], metrics: list[dict[str,
     lines = [f"# Training report: {cfg['method']} on {summary['model']}", "",
              f"Run directory: `{run_dir}`  ", f"Steps: {summary['steps']} · "
              f"wall time: {summary['train_seconds']:.0f} s training, "
-             f"{summary['total_seconds']:.0f} s in all", "",
+             f"{summary['total_seconds']:.0f} s in all · forward precision: "
+             f"{summary.get('precision', cfg.get('precision', 'float32'))}", "",
              "## Accuracy (strict: the answer string occurs in the greedy completion; "
              "rows with a `rule`: the completion follows it)", "",
              "| suite | n | before | after | oracle (context in prompt) |",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from selfdistill.rollout.seeding import GumbelSampler
+from selfdistill.teacher.regimes import is_peft, teacher_mode
 
 
 @dataclass
@@ -53,6 +55,7 @@ def generate(
     batch_size: int = 16,
     on_batch: Callable[[int], None] | None = None,
     seeds: list[int] | None = None,
+    fold_lora: bool = True,
 ) -> list[list[Completion]]:
     """Sample `n` completions for each prompt (token ids, already chat-templated).
 
@@ -62,7 +65,18 @@ def generate(
     `on_batch(rows_done)` is called after each batch, e.g. to advance a progress bar.
     `seeds` (one per completion, prompt-major: prompt i's j-th is `seeds[i * n + j]`) makes each
     completion a pure function of its seed, whatever the batching (`rollout.seeding`).
+    `fold_lora` decodes through LoRA-folded weights (`folded_lora`): same function, fewer calls.
     """
+    with folded_lora(model) if fold_lora else contextlib.nullcontext():
+        return _generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, n=n,
+                         temperature=temperature, top_p=top_p, greedy=greedy,
+                         batch_size=batch_size, on_batch=on_batch, seeds=seeds)
+
+
+def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_tokens: int,
+              n: int, temperature: float, top_p: float, greedy: bool, batch_size: int,
+              on_batch: Callable[[int], None] | None,
+              seeds: list[int] | None) -> list[list[Completion]]:
     was_training = model.training
     model.eval()
     stop_ids = eos_ids(model, tokenizer)
@@ -105,6 +119,54 @@ def generate(
             on_batch(len(chunk))
     model.train(was_training)
     return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+@contextlib.contextmanager
+def folded_lora(model: Any) -> Iterator[bool]:
+    """Run the block with each LoRA layer's update folded into its base weight, W' = W + s·B·A,
+    and the adapter layers switched off; yields whether it folded anything.
+
+    A decode step then runs one matmul per linear layer instead of three plus PEFT's per-layer
+    Python: the same function up to float rounding (|Δ logit| ~ 1e-6 in float32), markedly
+    fewer kernel calls when a step's work is small (CPU decoding). W' is a temporary copy (one
+    extra copy of the adapted weights while the block runs); the original W tensors are put
+    back untouched on exit, so base weights never drift the way merge/unmerge would make them.
+    No-op (yields False) for a model that is not PEFT, an adapter already merged or disabled,
+    or a layer kind PEFT cannot give a plain delta for (DoRA).
+    """
+    layers = _lora_layers(model) if is_peft(model) else []
+    if not layers:
+        yield False
+        return
+    swapped: list[tuple[Any, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                base = layer.get_base_layer()
+                delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters
+                            if a in layer.lora_A)
+                swapped.append((base, base.weight.data))
+                base.weight.data = base.weight.data + delta.to(base.weight.dtype)
+        with teacher_mode(model), model.disable_adapter():
+            yield True
+    finally:
+        for base, weight in swapped:
+            base.weight.data = weight
+
+
+def _lora_layers(model: Any) -> list[Any]:
+    """The model's LoRA layers, or [] when folding them would not be exact (see folded_lora)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for layer in layers:
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if (layer.merged or layer.disable_adapters or not active
+                or any(layer.use_dora.get(a, False) for a in active)
+                or not isinstance(getattr(layer.get_base_layer(), "weight", None),
+                                  torch.nn.Parameter)):
+            return []
+    return layers
 
 
 def eos_ids(model: Any, tokenizer: Any) -> list[int]:

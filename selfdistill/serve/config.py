@@ -70,9 +70,9 @@ class LearnerConfig(_Section):
                                    "(the main job's recipe)")
     anchor_weight: float = Field(2.0, ge=0, description="weight of the anchor rows' divergence "
                                  "next to the lessons'")
-    precision: Literal["float32", "bfloat16"] = Field(
-        "float32", description="training forward precision (bfloat16 = autocast; faster on CPUs "
-        "with AVX512-BF16)")
+    precision: Literal["float32", "bfloat16", "auto"] = Field(
+        "float32", description="training forward precision, as the trainer's `precision` "
+        "(bfloat16 = autocast; auto = bfloat16 only where the device has native bf16)")
     threads: int | None = Field(None, gt=0, description="torch threads while learning; None = "
                                 "leave as is")
     probes: list[str] = Field(default_factory=lambda: ["builtin"], description="forgetting "

@@ -110,6 +110,11 @@ class RolloutConfig(_Section):
         "learner's own weights; server = an OpenAI-compatible completions server returning "
         "token log-probs, with dynamic LoRA loading (`vllm serve --enable-lora` or "
         "`selfdistill serve`), see docs/distributed.md")
+    fold_lora: bool = Field(True, description="backend=hf: decode through LoRA-folded weights "
+                            "(W + s·B·A in a temporary copy, adapter layers off; the same "
+                            "function up to float rounding, ~2x faster CPU decoding; costs one "
+                            "copy of the adapted weights while generating); false = through "
+                            "PEFT's adapter layers")
     url: str | None = Field(None, description="backend=server: the server's base URL, e.g. "
                             "http://127.0.0.1:8000 (the /v1 routes are appended)")
     push_every: int = Field(1, gt=0, description="backend=server: push the adapter every K "
@@ -165,10 +170,11 @@ class TrainConfig(_Section):
         None, gt=0, description="rows per student forward+backward; the update is split into "
         "micro-batches whose losses are weighted by their token share, so the gradient equals "
         "the full batch's (less peak memory, same result); None = the whole batch at once")
-    precision: Literal["float32", "bfloat16"] = Field(
+    precision: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="forward-pass precision: bfloat16 = autocast (matmuls in bf16, "
-        "about 2× faster on CPUs with AVX512-BF16/AMX; weights, optimizer and losses stay "
-        "float32)")
+        "about 2× faster on CPUs with AVX512-BF16/AMX and on recent GPUs; weights, optimizer "
+        "and losses stay float32; on a CPU without native bf16 it is emulated and tens of "
+        "times SLOWER); auto = bfloat16 where the device runs it natively, else float32")
     base_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype of the frozen base weights: bfloat16 halves their memory "
         "(LoRA weights, optimizer state and losses stay float32; needs lora.enabled)")

@@ -13,6 +13,7 @@ Phase timings (generate / grade / teacher / student / optimizer) go to `metrics.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -144,7 +145,8 @@ def _rollouts(cfg: TrainConfig, ctx: StepContext, step: int,
     its global index in the step (`rollout.seeding`), so the tokens do not depend on the
     sharding; `task` / `anchor` = (prompts, global index of the first). One sampler call when
     both take one completion."""
-    sampler = ctx.sampler or HFSampler(ctx.model, ctx.tokenizer)
+    sampler = ctx.sampler or HFSampler(ctx.model, ctx.tokenizer,
+                                         fold_lora=cfg.rollout.fold_lora)
     sampler.sync(ctx.model, step, ctx.dist)
     n = cfg.num_generations
     (t_ps, t_first), (a_ps, a_first) = task, anchor
@@ -260,9 +262,29 @@ def train_step(cfg: TrainConfig, ctx: StepContext, step: int) -> dict[str, float
 def precision(cfg: TrainConfig, model: Any) -> Any:
     """Autocast for forward passes under `cfg.precision`: bfloat16 runs the matmuls in bf16
     (weights, gradients and optimizer state stay float32; logits are cast back to float32 for
-    the losses); float32 is a no-op."""
-    device = next(model.parameters()).device.type
-    return torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.precision == "bfloat16")
+    the losses); float32 is a no-op; auto is bfloat16 where `native_bf16` holds."""
+    device = next(model.parameters()).device
+    return torch.autocast(device.type, dtype=torch.bfloat16,
+                          enabled=resolve_precision(cfg.precision, device) == "bfloat16")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`auto` → "bfloat16" when `native_bf16(device)`, else "float32"; others unchanged."""
+    if precision != "auto":
+        return precision
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
+@functools.cache
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` runs bfloat16 matmuls in hardware: a CUDA device that supports bf16, or
+    a CPU with AVX512-BF16 or AMX. Elsewhere (e.g. AVX2-only CPUs) oneDNN emulates bf16, and an
+    autocast forward+backward was measured ~50× slower than float32 (2-core AVX2 EPYC)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return False
 
 
 def score_batch(regime: Any, model: Any, samples: list[Sample], pad: int,
@@ -384,7 +406,8 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
         def graders(row: Row) -> Any:
             return make_env(row, reveal=reveal)
     return StepContext(model, tokenizer, regime, optimizer, scheduler, rows, list(anchors),
-                       graders, sampler=sampler or HFSampler(model, tokenizer), dist=dist,
+                       graders, sampler=sampler or HFSampler(
+                           model, tokenizer, fold_lora=cfg.rollout.fold_lora), dist=dist,
                        train_model=train_model)
 
 

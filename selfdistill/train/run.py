@@ -4,6 +4,7 @@ save the adapter → evaluate after → gate verdict → report and plot."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,13 @@ from selfdistill.train.checkpoint import (
 )
 from selfdistill.train.config import REQUIRED_COLUMNS, TrainConfig
 from selfdistill.train.dist import Dist
-from selfdistill.train.loop import build_model, make_step_context, train_step
+from selfdistill.train.loop import (
+    build_model,
+    make_step_context,
+    native_bf16,
+    resolve_precision,
+    train_step,
+)
 from selfdistill.train.metrics import MetricsLogger
 
 _DATA = Path(__file__).resolve().parent.parent / "data"
@@ -124,6 +131,11 @@ def run_training(cfg: TrainConfig, *, resume: bool = False, progress: bool = Tru
         torch.set_num_threads(cfg.threads)
 
     model, tok, model_path = build_model(cfg, progress=progress, device=dist.device)
+    device = next(model.parameters()).device
+    if cfg.precision == "bfloat16" and not native_bf16(device) and dist.is_main:
+        print(f"warning: precision=bfloat16 on a {device.type} without native bf16 matmuls "
+              "(no AVX512-BF16/AMX): autocast is emulated and far slower than float32; "
+              "precision=auto picks float32 here", file=sys.stderr)
     ctx = make_step_context(cfg, model, tok, rows, anchors, dist=dist,
                             train_model=dist.prepare_model(model),
                             sampler=make_sampler(cfg.rollout, model, tok, run_dir))
@@ -226,6 +238,7 @@ def _train_and_evaluate(cfg: TrainConfig, ctx: Any, run_dir: Path, ckpt: Path | 
         "model_path": model_path, "steps": cfg.steps, "config": cfg.model_dump(mode="json"),
         "config_yaml": config_yaml, "before": _strip(before), "after": _strip(after),
         "oracle": _strip(oracle), "gate": verdict.to_dict(), "adapter": str(run_dir / "adapter"),
+        "precision": resolve_precision(cfg.precision, next(ctx.model.parameters()).device),
         "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_total,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
