@@ -60,6 +60,16 @@ def test_utilization_quick_counts_flops_and_compares_with_matmul(tmp_path):
     assert (tmp_path / "utilization_quick.png").stat().st_size > 0
 
 
+def test_fold_decoding_quick_compares_both_sides(tmp_path):
+    _run("fold_decoding.py", tmp_path, "--quick")
+    data = json.loads((tmp_path / "fold_decoding_quick.json").read_text())
+    assert data["stats"]["peft"]["n"] == data["stats"]["folded"]["n"] == 1
+    assert data["same_tokens"] == data["rows"] == 2 and data["weights_unchanged"]
+    report = (tmp_path / "fold_decoding_quick.md").read_text()
+    assert "x the PEFT layers' generation speed" in report
+    assert (tmp_path / "fold_decoding_quick.png").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_knowledge_table_quick_runs_every_arm(tmp_path):
     _run("knowledge_table.py", tmp_path, "--quick")
