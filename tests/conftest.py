@@ -72,3 +72,12 @@ def tiny_model():
     """A fresh tiny random model for each test (seed 0)."""
     return make_tiny_model()
 
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and the machine is shared: a module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
-import torch
 import uvicorn
 
 from selfdistill.serve.app import create_app
@@ -70,9 +68,3 @@ def config(home: Path, model: Path, **kw) -> ServeConfig:
                                        "threads": 1, "learner": learner, **kw})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -17,7 +17,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from selfdistill.cli import main
 from selfdistill.errors import UserError
@@ -31,13 +30,7 @@ world = registry_world.world
 db_url, pg_admin = test_store.db_url, test_store.pg_admin
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and the machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def no_regress(w: World, **extra) -> GateSpec:

@@ -12,10 +12,9 @@ from selfdistill.models import attach_lora, load_model
 from selfdistill.registry import Registry
 from selfdistill.serve import state
 from selfdistill.store.serve_models import ServeCompletion, ServeLesson
-from tests import serve_world
 from tests.serve_world import ADMIN, Server, config
 
-one_thread = serve_world.one_thread  # tiny_dir: the session fixture (conftest)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixtures: tests/conftest.py
 
 
 @pytest.fixture(scope="module")

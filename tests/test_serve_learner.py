@@ -9,7 +9,7 @@ import pytest
 from tests import serve_world
 from tests.serve_world import ADMIN, Server, config
 
-one_thread = serve_world.one_thread  # tiny_dir: the session fixture (conftest)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixtures: tests/conftest.py
 LEARN = {"threshold": 0.0, "every_lessons": 2, "steps": 4, "batch_size": 2, "anchor_batch_size": 0,
          "learning_rate": 1e-2, "max_new_tokens": 8, "lora_rank": 4, "gate_max_new_tokens": 8}
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from selfdistill.models import attach_lora, load_model
-from tests import serve_world
 from tests.serve_world import Server, config
 
-one_thread = serve_world.one_thread  # tiny_dir: the session fixture (conftest)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixtures: tests/conftest.py
 PROMPT = [1, 504, 3458, 314, 260, 1345, 30]
 
 
