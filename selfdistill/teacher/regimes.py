@@ -54,12 +54,18 @@ def model_logits(
 
     `forward` is the model or a callable with its signature. `logits_to_keep` makes HF models run
     the output head over K positions only; the slice also covers models that return all positions.
+    The positions go in as an index tensor rather than an int: HF then gathers them into a
+    contiguous (B, K, H) block and the head is one matmul, where an int's strided slice made it a
+    batched matmul over a broadcast (V, H) weight at a third of the speed (2-core AVX2 CPU,
+    (32, 25) positions, profiled: 1.75 s → 0.81 s forward+backward).
     """
+    width = input_ids.shape[1]
+    keep = torch.arange(width - logits_to_keep, width, device=input_ids.device)
     out = forward(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        logits_to_keep=logits_to_keep,
+        logits_to_keep=keep,
         use_cache=False,
     )
     return out.logits[:, -logits_to_keep:]
