@@ -6,9 +6,9 @@ tensors of megabytes ((B, T, 1536) activations, (B·T, V) logits), so each new t
 pages the kernel must fault in and zero: measured on a 2-core AVX2 EPYC, a student
 forward+backward of the default model (32 rows × 74 columns) spent 1 min 24 s of a 5 min 22 s
 job in the kernel, `log_softmax` over (768, 49152) took 460 ms instead of 33 ms, and one update
-took 17.4 s instead of 14.5 s. With `mmap` off for the heap and no trimming, freed blocks are
-reused and the pages stay mapped: peak resident memory is the same high-water mark, but the
-process does not hand memory back to the system until it exits.
+took 17.4 s instead of 12.5–15.0 s (separate runs on a shared machine). With `mmap` off for the
+heap and no trimming, freed blocks are reused and the pages stay mapped: the process does not
+hand memory back to the system until it exits (its effect on peak RSS is not measured yet).
 
 `SELFDISTILL_MALLOC=system` (environment) leaves glibc's defaults alone.
 """

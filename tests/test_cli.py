@@ -82,10 +82,9 @@ def test_allocator_setting_applies_in_a_fresh_process_and_can_be_turned_off():
     """`keep_freed_memory` (called by the CLI) sets glibc's mallopt; `SELFDISTILL_MALLOC=system`
     opts out. Run in subprocesses: the setting is process-wide."""
     code = "from selfdistill.allocator import keep_freed_memory as k; print(k())"
-    env = dict(os.environ)
-    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**env, "SELFDISTILL_MALLOC": "system"})
+                         env={**os.environ, "SELFDISTILL_MALLOC": "system"})
     glibc = platform.libc_ver()[0] == "glibc"
     assert on.stdout.strip() == str(glibc)
     assert off.stdout.strip() == "False"
