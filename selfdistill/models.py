@@ -8,7 +8,9 @@ Hugging Face directory (safetensors + tokenizer) in the user cache so later load
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -233,3 +235,24 @@ def attach_lora(
     )
     with _quiet_peft():
         return get_peft_model(model, cfg)
+
+
+@functools.cache
+def _cache_name() -> str:
+    """The name transformers gives a forward's key/value cache, as argument and as output
+    field: `cache` in newer 5.x releases (which warn on, and will drop, the older name),
+    `past_key_values` before."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    return "cache" if "cache" in fields else "past_key_values"
+
+
+def cache_arg(cache: Any) -> dict[str, Any]:
+    """`cache` as the keyword argument of a transformers forward or `generate`: `**cache_arg(c)`."""
+    return {_cache_name(): cache}
+
+
+def output_cache(out: Any) -> Any:
+    """The key/value cache a transformers forward returned (`use_cache=True`)."""
+    return getattr(out, _cache_name())

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from selfdistill.models import cache_arg, output_cache
 from selfdistill.rollout.hf import eos_ids
 
 T = TypeVar("T")
@@ -197,11 +198,11 @@ class Engine:
                 self._select(adapter)
                 out = self.model(
                     input_ids=torch.tensor([feed], device=self.device),
-                    past_key_values=past,
                     use_cache=True,
+                    **cache_arg(past),
                     logits_to_keep=1,
                 )
-            past = out.past_key_values
+            past = output_cache(out)
             tok = sample_token(
                 out.logits[0, -1].float().cpu(),
                 temperature=temperature,
