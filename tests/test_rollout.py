@@ -48,6 +48,27 @@ def test_a_seeded_completion_does_not_depend_on_its_batch(tiny_model, tokenizer)
     assert c.logprobs == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_shared_system_prompt_is_prefilled_once_with_the_same_result(tiny_model, tokenizer,
+                                                                       greedy):
+    """Prompts that open with the same system prompt: the batch prefills it once and repeats
+    its cache (`rollout.hf`); each row's tokens and log-probs are those it gets alone."""
+    from selfdistill.chat import prompt_ids
+
+    system = {"role": "system", "content": "You are a careful assistant. Answer briefly."}
+    questions = ["What is the capital of France?", "Name a prime.", "Why is the sky blue?"]
+    prompts = [prompt_ids(tokenizer, [system, {"role": "user", "content": q}])
+               for q in questions]
+    kw = {"max_new_tokens": 6, "greedy": greedy, "temperature": 0.8}
+    seeds = None if greedy else [sample_seed(2, 0, 0, i) for i in range(3)]
+    together = generate(tiny_model, tokenizer, prompts, seeds=seeds, batch_size=3, **kw)
+    alone = [generate(tiny_model, tokenizer, [p], seeds=None if greedy else [seeds[i]], **kw)[0]
+             for i, p in enumerate(prompts)]
+    for a, b in zip(together, alone, strict=True):
+        assert a[0].token_ids == b[0].token_ids
+        assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
+
+
 def test_gumbel_sampler_draws_from_the_tempered_nucleus():
     """Frequencies over 4000 seeded draws match softmax(z / T) restricted to the top-p nucleus
     (within 4 binomial standard deviations); tokens outside the nucleus never appear."""

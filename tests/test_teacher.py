@@ -15,6 +15,7 @@ from selfdistill.teacher import (
     build_batch,
     build_teacher_messages,
     completion_logits,
+    length_groups,
     make_regime,
     score_completions,
 )
@@ -114,6 +115,84 @@ def test_alignment_holds_for_absolute_position_embeddings():
         torch.testing.assert_close(
             logits[i, : len(completion)], _unpadded(model, prompt, completion), atol=ATOL, rtol=0
         )
+
+
+# --- scoring: a shared prefix ---------------------------------------------------------------
+
+# Prompts opening with the same 4 tokens (a system prompt's role), of different lengths.
+SHARED_PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 5, 6, 7, 10], [1, 5, 6, 7, 8, 11, 12, 13]]
+SHARED_COMPLETIONS = [[20, 21], [22, 23, 24, 25], [26]]
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2,
+                                      n_positions=64, bos_token_id=0, eos_token_id=0)).eval()
+
+
+def test_shared_prefix_layout_keeps_every_row_its_own_tokens_and_positions():
+    b = build_batch(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0, share_prefix=True)
+    plain = build_batch(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0)
+    assert b.prefix_width == 4 and plain.prefix_width == 0
+    assert b.prompt_width == plain.prompt_width == 8
+    assert torch.equal(b.completion_ids, plain.completion_ids)
+    assert torch.equal(b.completion_mask, plain.completion_mask)
+    for i, prompt in enumerate(SHARED_PROMPTS):
+        real = b.attention_mask[i].bool()
+        row = SHARED_PROMPTS[i] + SHARED_COMPLETIONS[i]
+        assert b.input_ids[i][real].tolist() == row  # [prefix | pad … rest | completion …]
+        assert b.position_ids[i][real].tolist() == list(range(len(row)))
+        assert b.input_ids[i, :4].tolist() == prompt[:4] and real[:4].all()
+    # Every prompt keeps at least one token of its own, even when all prompts are the same.
+    same = build_batch([[3, 4, 5]] * 2, [[6], [7]], pad_id=0, share_prefix=True)
+    assert same.prefix_width == 2
+    assert build_batch([[3, 4], [9, 4]], [[6], [7]], pad_id=0, share_prefix=True).prefix_width == 0
+
+
+@pytest.mark.parametrize("arch", ["llama-lora", "gpt2"])
+def test_shared_prefix_gives_the_plain_forwards_logits_and_gradients(arch, tiny_model):
+    """The prefix runs once and its keys/values are repeated to every row: the student's
+    logits and their gradient, and every regime's teacher logits, equal the plain layout's
+    (GPT-2: absolute position embeddings would expose a wrong position)."""
+    model = _lora(tiny_model) if arch == "llama-lora" else _gpt2()
+    params = _trainable(model)
+    shared = build_batch(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0, share_prefix=True)
+    plain = build_batch(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0)
+    w = torch.randn(3, 4, generator=torch.Generator().manual_seed(5))
+    out = {}
+    for name, batch in (("shared", shared), ("plain", plain)):
+        logits = completion_logits(model, batch)
+        loss = (logits.log_softmax(-1)[..., 7] * w * batch.completion_mask).sum()
+        out[name] = (logits.detach(), torch.autograd.grad(loss, list(params.values())))
+    mask = plain.completion_mask
+    torch.testing.assert_close(out["shared"][0][mask], out["plain"][0][mask], atol=ATOL, rtol=0)
+    for g_shared, g_plain in zip(out["shared"][1], out["plain"][1], strict=True):
+        torch.testing.assert_close(g_shared, g_plain, atol=1e-6, rtol=1e-4)
+    assert any(g.abs().sum() > 0 for g in out["plain"][1])
+    regimes = ["base", "live", "ema"] if arch == "llama-lora" else ["live"]
+    for name in regimes:
+        regime = make_regime(name)
+        a = regime.teacher_logits(model, *_batch_inputs(shared))[:, :-1]
+        b = regime.teacher_logits(model, *_batch_inputs(plain))[:, :-1]
+        torch.testing.assert_close(a[mask], b[mask], atol=ATOL, rtol=0)
+
+
+def _batch_inputs(batch):
+    width_t = batch.completion_ids.shape[1]
+    return (batch.input_ids, batch.attention_mask, batch.position_ids, width_t + 1,
+            batch.prefix_width)
+
+
+def test_length_groups_split_two_length_clusters_and_cover_every_row_once():
+    lengths = [70, 38, 72, 36, 68, 40, 37, 75]
+    groups = length_groups(lengths, overhead=64)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert [sorted(lengths[i] for i in g) for g in groups] == [[36, 37, 38, 40],
+                                                               [68, 70, 72, 75]]
+    assert length_groups(lengths, overhead=10_000) == [sorted(range(8), key=lambda i: lengths[i])]
+    assert length_groups([]) == []
 
 
 def test_build_batch_rejects_unscorable_input():

@@ -156,9 +156,9 @@ def test_anchor_teacher_sees_the_student_prompt_and_starts_at_zero_divergence(
     seen = []
     real = loop.score_batch
 
-    def spy(regime, model, samples, pad, timer):
+    def spy(regime, model, samples, pad, timer, **kw):
         seen.extend(samples)
-        return real(regime, model, samples, pad, timer)
+        return real(regime, model, samples, pad, timer, **kw)
 
     monkeypatch.setattr(loop, "score_batch", spy)
     cfg = tiny_cfg(tiny_dir, tmp_path / "run", steps=1, batch_size=2, anchor_data="builtin",
@@ -171,6 +171,44 @@ def test_anchor_teacher_sees_the_student_prompt_and_starts_at_zero_divergence(
     m = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert m["anchor_samples"] == 3 and m["no_context"] == 0
     assert abs(m["anchor_distill_loss"]) < 1e-5 < m["distill_loss"]
+
+
+def test_base_anchors_are_the_initial_weights_samples_drawn_once(tiny_dir, tmp_path,
+                                                                  monkeypatch):
+    """anchor_source=base: each anchor prompt's completion comes from the adapter-off model,
+    seeded by the anchor's index, drawn the first time it is needed and reused afterwards."""
+    import selfdistill.train.loop as loop
+    from selfdistill.chat import prompt_ids
+    from selfdistill.rollout.hf import generate
+    from selfdistill.rollout.seeding import BASE_ANCHOR_STREAM, sample_seed
+
+    seen = []
+    real = loop.score_batch
+
+    def spy(regime, model, samples, pad, timer, **kw):
+        seen.append([s for s in samples if s.anchor])
+        return real(regime, model, samples, pad, timer, **kw)
+
+    monkeypatch.setattr(loop, "score_batch", spy)
+    cfg = tiny_cfg(tiny_dir, tmp_path / "run", steps=3, anchor_data="builtin",
+                   anchor_batch_size=40, anchor_source="base", learning_rate=0.05)
+    run_training(cfg, progress=False)
+    first = {s.row_index: s.completion for s in seen[0]}
+    later = {s.row_index: s.completion for step in seen[1:] for s in step}
+    assert first.keys() & later.keys()  # anchors met again (55 of them, 40 per step)
+    assert all(later[i] == first[i] for i in first.keys() & later.keys())
+    assert all(s.behaviour_logprobs is None for step in seen for s in step)
+    # They are the base model's samples: regenerate one with the adapter-free model.
+    from selfdistill.models import load_model
+
+    lm = load_model(tiny_dir, progress=False)
+    s = seen[0][0]
+    want = generate(lm.model, lm.tokenizer, [prompt_ids(lm.tokenizer, s.row.messages)],
+                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                    seeds=[sample_seed(cfg.seed, 0, BASE_ANCHOR_STREAM, s.row_index)])
+    assert want[0][0].token_ids == s.completion
+    weights = adapter_weights(tmp_path / "run")
+    assert any(float(w.abs().max()) > 0 for k, w in weights.items() if "lora_B" in k)
 
 
 def test_prompt_and_padding_are_masked(tokenizer):
@@ -193,6 +231,8 @@ def test_prompt_and_padding_are_masked(tokenizer):
     (["anchor_batch_size=4"], "needs anchor_data"),
     (["anchor_batch_size=4", "anchor_data=builtin", "teacher.regime=live"], "IS the student"),
     (["anchor_batch_size=4", "anchor_data=builtin", "method=sft"], "makes none"),
+    (["anchor_batch_size=4", "anchor_data=builtin", "anchor_source=base", "lora.enabled=false"],
+     "needs lora.enabled"),
 ])
 def test_bad_config_fails_before_loading(overrides, needle, tmp_path):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
@@ -312,6 +352,81 @@ def test_teacher_rows_line_up_when_the_longest_completion_has_no_context(tiny_mo
     loss, _ = method_loss("sdpo", [short, long], x, LossConfig(estimator=estimator), update=0,
                           group_size=2)
     assert torch.isfinite(loss) and loss.item() != 0.0
+
+
+def test_teacher_rows_in_length_groups_come_back_in_row_order(tiny_model):
+    """Task rows (long teacher prompts) and anchors (the student's short prompt) run in
+    separate teacher forwards, prefix shared; each row's logits are its own, in row order."""
+    from selfdistill.teacher import make_regime
+    from selfdistill.train.loop import PhaseTimer, score_batch
+    from selfdistill.train.methods import Sample
+
+    system = list(range(30, 50))  # a shared system prompt
+    samples = []
+    for i in range(6):
+        anchor = i % 2 == 1
+        s = Sample(i, None, i, [*system, 60 + i], [70 + i, 71 + i][: 1 + i % 2], anchor=anchor)
+        s.teacher_prompt = s.prompt if anchor else [*system, 60 + i, *list(range(80, 80 + 40))]
+        samples.append(s)
+    timer = PhaseTimer()
+    ctx_rows, t_logits, sb = score_batch(make_regime("live"), tiny_model, samples, 0, timer,
+                                         share_prefix=True)
+    assert ctx_rows == list(range(6)) and sb.prefix_width == len(system)
+    for j, s in enumerate(samples):
+        with torch.no_grad():
+            ref = tiny_model(input_ids=torch.tensor([s.teacher_prompt + s.completion])).logits[0]
+        n, p = len(s.completion), len(s.teacher_prompt)
+        torch.testing.assert_close(t_logits[j, :n], ref[p - 1:p - 1 + n], rtol=1e-4, atol=1e-4)
+
+
+def test_a_frozen_teachers_cached_prompts_give_the_same_logits(tiny_model):
+    """Base regime: the teacher prompts known before training are prefilled once (`warm`); a
+    step then runs those rows over their completions only — with the full forward's logits —
+    and any other row (not warmed, or over the memory budget) in full."""
+    from selfdistill.models import attach_lora
+    from selfdistill.teacher import PromptCache, make_regime
+    from selfdistill.train.loop import PhaseTimer, score_batch
+    from selfdistill.train.methods import Sample
+
+    model = attach_lora(tiny_model, rank=4)
+    with torch.no_grad():  # the adapter must matter, so that "base" is a real choice
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+
+    def batch(offset):
+        out = []
+        for i in range(5):
+            s = Sample(i, None, i, [30, 31, 40 + i],
+                       [70 + i, 71, 72 + offset][: 1 + (i + offset) % 3])
+            s.teacher_prompt = s.prompt if i % 2 else [30, 31, 40 + i] + [90] * (3 + 4 * i)
+            out.append(s)
+        return out
+
+    regime = make_regime("base")
+    warmed = [s.teacher_prompt for s in batch(0)[:4]]  # row 4's prompt is not known up front
+    full, small = PromptCache(2**20), PromptCache(2**20)
+    full.warm(regime, model, warmed, 0, batch_size=3)
+    small.max_bytes = full.bytes // 2
+    small.warm(regime, model, warmed, 0, batch_size=1)
+    distinct = len({tuple(p[:-1]) for p in warmed})  # the two anchors' share theirs
+    assert len(full.entries) == distinct and 0 < len(small.entries) < distinct
+    assert batch(0)[4].teacher_prompt not in full
+    for offset in range(2):
+        samples = batch(offset)
+        _, want, _ = score_batch(regime, model, samples, 0, PhaseTimer(), share_prefix=True)
+        mask = torch.zeros(want.shape[:2], dtype=torch.bool)
+        for j, s in enumerate(samples):
+            mask[j, :len(s.completion)] = True
+        for cache in (full, small):
+            _, got, _ = score_batch(regime, model, samples, 0, PhaseTimer(), prompt_cache=cache)
+            torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+    # Deterministic: warming again (as a resumed run does) gives the same bits.
+    again = PromptCache(2**20)
+    again.warm(regime, model, warmed, 0, batch_size=3)
+    for key, entry in full.entries.items():
+        for (k1, v1), (k2, v2) in zip(entry, again.entries[key], strict=True):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_precision_auto_uses_bf16_only_where_the_hardware_has_it(monkeypatch):

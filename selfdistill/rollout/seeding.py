@@ -23,6 +23,8 @@ TASK_STREAM = 0
 """`stream` of the task prompts' samples (`sample_seed`)."""
 ANCHOR_STREAM = 1
 """`stream` of the anchor prompts' samples."""
+BASE_ANCHOR_STREAM = 2
+"""`stream` of the base model's anchor samples (`anchor_source=base`; index = anchor row)."""
 
 
 def sample_seed(seed: int, step: int, stream: int, index: int) -> int:
@@ -58,5 +60,7 @@ class GumbelSampler(LogitsProcessor):
             logp = self.top_p(input_ids, logp)
         u = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64)
                          for g in self.generators]).to(scores.device)
-        gumbel = -torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16)))
-        return (logp + gumbel).to(scores.dtype)
+        # G = −log(−log u), in place on the (B, V) float64 buffer: the same values as the
+        # out-of-place expression without four fresh (B, V) temporaries per decode step.
+        gumbel = u.clamp_(1e-300, 1.0 - 1e-16).log_().neg_().log_().neg_()
+        return gumbel.add_(logp).to(scores.dtype)

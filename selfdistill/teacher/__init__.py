@@ -10,6 +10,7 @@ from selfdistill.teacher.contexts import (
     truncate_text,
 )
 from selfdistill.teacher.model_teacher import ModelRegime, check_tokenizers, load_teacher
+from selfdistill.teacher.prompt_cache import PromptCache
 from selfdistill.teacher.regimes import (
     REGIMES,
     BaseRegime,
@@ -26,6 +27,7 @@ from selfdistill.teacher.scoring import (
     ScoredBatch,
     build_batch,
     completion_logits,
+    length_groups,
     score_completions,
 )
 
@@ -40,6 +42,7 @@ __all__ = [
     "ModelRegime",
     "PackedBatch",
     "PrivilegedContext",
+    "PromptCache",
     "ScoredBatch",
     "TeacherPrompt",
     "TeacherRegime",
@@ -48,6 +51,7 @@ __all__ = [
     "build_teacher_messages",
     "check_tokenizers",
     "completion_logits",
+    "length_groups",
     "load_teacher",
     "make_regime",
     "model_logits",

@@ -26,13 +26,15 @@ Departures and limits:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from selfdistill.errors import UserError
-from selfdistill.teacher.regimes import TeacherRegime, model_logits
+from selfdistill.teacher.regimes import TeacherRegime
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -84,6 +86,7 @@ class ModelRegime(TeacherRegime):
     """The teacher is another model (`teacher`), frozen; the student's weights are not used."""
 
     name = "model"
+    frozen = True
 
     def __init__(self, teacher: torch.nn.Module, *, path: str = "") -> None:
         super().__init__()
@@ -100,8 +103,12 @@ class ModelRegime(TeacherRegime):
         super().setup(model)
 
     def _logits(self, model: torch.nn.Module, *inputs: Any) -> Tensor:
-        logits = model_logits(self.teacher, *inputs)
+        logits = super()._logits(model, *inputs)
         return logits if self._width is None else align_vocab(logits, self._width)
+
+    @contextlib.contextmanager
+    def _weights(self, model: torch.nn.Module) -> Iterator[Any]:
+        yield self.teacher
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "path": self.path}

@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from selfdistill.models import cache_arg, output_cache
+
 REGIMES = ("base", "live", "ema", "trust_region", "model")
 
 
@@ -49,6 +51,8 @@ def model_logits(
     attention_mask: Tensor,
     position_ids: Tensor,
     logits_to_keep: int,
+    prefix_width: int = 0,
+    cache: Any = None,
 ) -> Tensor:
     """Logits of the last `logits_to_keep` positions from one causal-LM forward: (B, K, V).
 
@@ -58,17 +62,43 @@ def model_logits(
     contiguous (B, K, H) block and the head is one matmul, where an int's strided slice made it a
     batched matmul over a broadcast (V, H) weight at a third of the speed (2-core AVX2 CPU,
     (32, 25) positions, profiled: 1.75 s → 0.81 s forward+backward).
+
+    `prefix_width` S > 0 (the first S columns are the same real tokens in every row, see
+    `scoring.build_batch(share_prefix=True)`): the prefix runs once, batch 1, and its keys and
+    values are repeated to the B rows as the cache the remaining columns attend to — with
+    gradient, so the result and its gradient equal the plain forward's (the repeat's backward
+    sums the B rows' contributions), for ~S·(B−1) fewer token-forwards. K must not reach into
+    the prefix. `cache` (an HF cache holding B rows' keys and values of the first S columns,
+    e.g. `PromptCache.assemble`): used as it is instead of running the prefix.
     """
     width = input_ids.shape[1]
-    keep = torch.arange(width - logits_to_keep, width, device=input_ids.device)
-    out = forward(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=keep,
-        use_cache=False,
-    )
+    if prefix_width <= 0:
+        keep = torch.arange(width - logits_to_keep, width, device=input_ids.device)
+        out = forward(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+        return out.logits[:, -logits_to_keep:]
+    if logits_to_keep > width - prefix_width:
+        raise ValueError(f"logits_to_keep={logits_to_keep} reaches into the shared prefix "
+                         f"({prefix_width} of {width} columns)")
+    s = prefix_width
+    if cache is None:
+        cache = prefill(forward, input_ids[:1, :s], attention_mask[:1, :s], position_ids[:1, :s])
+        cache.batch_repeat_interleave(input_ids.shape[0])
+    rest = width - s
+    keep = torch.arange(rest - logits_to_keep, rest, device=input_ids.device)
+    out = forward(input_ids=input_ids[:, s:], attention_mask=attention_mask,
+                  position_ids=position_ids[:, s:], logits_to_keep=keep, **cache_arg(cache),
+                  use_cache=True)
     return out.logits[:, -logits_to_keep:]
+
+
+def prefill(forward: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor,
+            position_ids: Tensor) -> Any:
+    """The HF cache (keys and values of every layer) of one forward over `input_ids`; the
+    output head runs on the last position only."""
+    last = torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
+    return output_cache(forward(input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids, logits_to_keep=last, use_cache=True))
 
 
 @contextlib.contextmanager
@@ -141,6 +171,9 @@ class TeacherRegime(ABC):
     """
 
     name: ClassVar[str]
+    frozen: ClassVar[bool] = False
+    """The teacher's weights never change during training (base, model): a prompt's keys and
+    values computed once stay valid for the whole run (`PromptCache`)."""
 
     def __init__(self, rate: float = 0.05) -> None:
         self.rate = rate
@@ -157,20 +190,35 @@ class TeacherRegime(ABC):
         attention_mask: Tensor,
         position_ids: Tensor,
         logits_to_keep: int,
+        prefix_width: int = 0,
+        cache: Any = None,
     ) -> Tensor:
         """Teacher logits of the last `logits_to_keep` positions, (B, K, V), without gradient.
 
         Runs in eval mode; the model's modes, `requires_grad` flags and active adapter are
-        restored afterwards.
+        restored afterwards. `prefix_width`, `cache`: see `model_logits`.
         """
         if not self._ready:
             self.setup(model)
-        inputs = (input_ids, attention_mask, position_ids, logits_to_keep)
+        inputs = (input_ids, attention_mask, position_ids, logits_to_keep, prefix_width, cache)
         with teacher_mode(model):
             return self._logits(model, *inputs)
 
+    def prompt_kv(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                  position_ids: Tensor) -> Any:
+        """The HF cache of one forward over a prompt batch under the teacher's weights."""
+        if not self._ready:
+            self.setup(model)
+        with teacher_mode(model), self._weights(model) as forward:
+            return prefill(forward, input_ids, attention_mask, position_ids)
+
+    def _logits(self, model: torch.nn.Module, *inputs: Any) -> Tensor:
+        with self._weights(model) as forward:
+            return model_logits(forward, *inputs)
+
     @abstractmethod
-    def _logits(self, model: torch.nn.Module, *inputs: Any) -> Tensor: ...
+    def _weights(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """A context yielding a callable that runs `model`'s forward with the teacher's weights."""
 
     def after_step(self, model: torch.nn.Module) -> None:
         """Called after every optimizer step; only `ema` does anything."""
@@ -197,14 +245,16 @@ class LiveRegime(TeacherRegime):
 
     name = "live"
 
-    def _logits(self, model: torch.nn.Module, *inputs: Any) -> Tensor:
-        return model_logits(model, *inputs)
+    @contextlib.contextmanager
+    def _weights(self, model: torch.nn.Module) -> Iterator[Any]:
+        yield model
 
 
 class BaseRegime(TeacherRegime):
     """The teacher is the initial model: PEFT adapter disabled, or a copy of the initial weights."""
 
     name = "base"
+    frozen = True
 
     def __init__(self, rate: float = 0.05) -> None:
         super().__init__(rate)
@@ -217,11 +267,13 @@ class BaseRegime(TeacherRegime):
             self._initial.capture(model, self.name)
         super().setup(model)
 
-    def _logits(self, model: torch.nn.Module, *inputs: Any) -> Tensor:
+    @contextlib.contextmanager
+    def _weights(self, model: torch.nn.Module) -> Iterator[Any]:
         if is_peft(model):
             with model.disable_adapter():
-                return model_logits(model, *inputs)
-        return model_logits(self._initial.forward(model), *inputs)
+                yield model
+        else:
+            yield self._initial.forward(model)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "initial": self._initial.tensors}
@@ -246,8 +298,9 @@ class EmaRegime(TeacherRegime):
             self.ema.capture(model, self.name)
             super().setup(model)
 
-    def _logits(self, model: torch.nn.Module, *inputs: Any) -> Tensor:
-        return model_logits(self.ema.forward(model), *inputs)
+    @contextlib.contextmanager
+    def _weights(self, model: torch.nn.Module) -> Iterator[Any]:
+        yield self.ema.forward(model)
 
     @torch.no_grad()
     def after_step(self, model: torch.nn.Module) -> None:
@@ -291,6 +344,12 @@ class TrustRegionRegime(TeacherRegime):
     def _logits(self, model: torch.nn.Module, *inputs: Any) -> Tensor:
         base = self._base._logits(model, *inputs)
         return base.lerp_(model_logits(model, *inputs), self.rate)
+
+    @contextlib.contextmanager
+    def _weights(self, model: torch.nn.Module) -> Iterator[Any]:
+        raise NotImplementedError("trust_region mixes two forwards' logits: it has no single "
+                                  "set of weights (and no prompt cache)")
+        yield  # pragma: no cover (makes this a generator)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "base": self._base.state_dict()}

@@ -27,11 +27,19 @@ import torch
 from selfdistill.chat import prompt_ids
 from selfdistill.data import Row, is_graded, row_correct
 from selfdistill.rollout.base import HFSampler
-from selfdistill.rollout.seeding import ANCHOR_STREAM, TASK_STREAM, sample_seed
+from selfdistill.rollout.hf import generate
+from selfdistill.rollout.seeding import (
+    ANCHOR_STREAM,
+    BASE_ANCHOR_STREAM,
+    TASK_STREAM,
+    sample_seed,
+)
 from selfdistill.teacher import (
     PackedBatch,
+    PromptCache,
     build_batch,
     build_teacher_messages,
+    length_groups,
     load_teacher,
     make_regime,
 )
@@ -96,6 +104,8 @@ class StepContext:
     sampler: Any = None  # rollout backend (`rollout.base.Sampler`); None = in-process HF
     dist: Any = SINGLE  # ranks and collectives (`train.dist.Dist`)
     train_model: Any = None  # the engine's wrapper of `model` (DDP / FSDP); None = `model`
+    prompt_cache: PromptCache | None = None  # frozen teachers' prompt keys/values
+    base_anchors: dict[int, Any] = field(default_factory=dict)  # anchor_source=base samples
 
 
 def make_samples(cfg: TrainConfig, ctx: StepContext, indices: list[int], step: int,
@@ -122,17 +132,23 @@ def make_samples(cfg: TrainConfig, ctx: StepContext, indices: list[int], step: i
     a_rows = [ctx.anchors[i] for i in a_idx]
     a_prompts = [prompt_ids(tok, r.messages) for r in a_rows]
     with timer("generate"):
-        groups, a_groups = _rollouts(cfg, ctx, step, (prompts, offset),
-                                     (a_prompts, a_shard.start))
+        if cfg.anchor_source == "base":
+            groups, _ = _rollouts(cfg, ctx, step, (prompts, offset), ([], a_shard.start))
+            a_groups = [[c] for c in base_anchor_completions(cfg, ctx, a_idx, a_prompts)]
+        else:
+            groups, a_groups = _rollouts(cfg, ctx, step, (prompts, offset),
+                                         (a_prompts, a_shard.start))
     lag = lambda c: step - c.meta.get("adapter_version", step)  # noqa: E731
     samples = [Sample(i, r, offset + g, p, c.token_ids, c.text, behaviour_logprobs=c.logprobs,
                       lag=lag(c))
                for g, (i, r, p, group) in enumerate(zip(indices, rows, prompts, groups,
                                                         strict=True))
                for c in group]
+    on_policy = cfg.anchor_source == "student"  # base samples' log-probs are not a sampler's
     samples += [Sample(i, r, cfg.batch_size + a_shard.start + j, p, group[0].token_ids,
-                       group[0].text, anchor=True, behaviour_logprobs=group[0].logprobs,
-                       lag=lag(group[0]))
+                       group[0].text, anchor=True,
+                       behaviour_logprobs=group[0].logprobs if on_policy else None,
+                       lag=lag(group[0]) if on_policy else 0)
                 for j, (i, r, p, group) in enumerate(zip(a_idx, a_rows, a_prompts, a_groups,
                                                          strict=True))]
     return samples
@@ -161,7 +177,25 @@ def _rollouts(cfg: TrainConfig, ctx: StepContext, step: int,
     if n == 1:
         both = run(t_ps + a_ps, 1, t_seeds + a_seeds)
         return both[:len(t_ps)], both[len(t_ps):]
-    return run(t_ps, n, t_seeds), run(a_ps, 1, a_seeds)
+    return run(t_ps, n, t_seeds), run(a_ps, 1, a_seeds) if a_ps else []
+
+
+def base_anchor_completions(cfg: TrainConfig, ctx: StepContext, indices: list[int],
+                            prompts: list[list[int]]) -> list[Any]:
+    """`anchor_source=base`: the initial weights' completion of each anchor prompt (adapter off),
+    sampled once per prompt — seeded by the anchor's index, so the same tokens whatever batch
+    first needs it and after a resume — and reused in every later step."""
+    missing = sorted({i for i in indices if i not in ctx.base_anchors})
+    if missing:
+        by_index = dict(zip(indices, prompts, strict=True))
+        seeds = [sample_seed(cfg.seed, 0, BASE_ANCHOR_STREAM, i) for i in missing]
+        with ctx.model.disable_adapter():
+            drawn = generate(ctx.model, ctx.tokenizer, [by_index[i] for i in missing], n=1,
+                             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                             top_p=cfg.top_p, batch_size=len(missing), seeds=seeds,
+                             fold_lora=False)
+        ctx.base_anchors.update((i, group[0]) for i, group in zip(missing, drawn, strict=True))
+    return [ctx.base_anchors[i] for i in indices]
 
 
 def cpt_prompt(tok: Any) -> list[int]:
@@ -198,9 +232,7 @@ def attach_contexts(cfg: TrainConfig, ctx: StepContext, samples: list[Sample],
                           environment_feedback=cfg.sdpo.environment_feedback)
     for s in samples:
         if s.contexts:
-            tp = build_teacher_messages(s.row.messages, s.contexts, tokenizer=ctx.tokenizer,
-                                        max_context_tokens=cfg.teacher.max_context_tokens,
-                                        truncate=cfg.teacher.truncate)
+            tp = teacher_messages(cfg, ctx.tokenizer, s.row.messages, s.contexts)
             s.teacher_prompt = prompt_ids(ctx.tokenizer, tp.messages)
             s.teacher_messages = tp.messages
             s.truncated_tokens = tp.truncated_tokens
@@ -210,6 +242,28 @@ def attach_contexts(cfg: TrainConfig, ctx: StepContext, samples: list[Sample],
         anchors = anchors + samples
     for s in anchors:  # the teacher sees exactly the student's prompt
         s.teacher_prompt, s.teacher_messages = s.prompt, s.row.messages
+
+
+def teacher_messages(cfg: TrainConfig, tok: Any, messages: list[dict[str, str]],
+                     contexts: list[Any]) -> Any:
+    """The teacher's prompt (`TeacherPrompt`): `messages` with `contexts`, capped per config."""
+    return build_teacher_messages(messages, contexts, tokenizer=tok,
+                                  max_context_tokens=cfg.teacher.max_context_tokens,
+                                  truncate=cfg.teacher.truncate)
+
+
+def fixed_teacher_prompts(cfg: TrainConfig, tok: Any, rows: list[Row],
+                          anchors: list[Row]) -> list[list[int]]:
+    """Teacher prompts known before training (those that do not depend on an attempt): every
+    anchor's (the student's prompt), and every row's under sdft (its fixed privileged context)
+    or under `teacher.context=none` (the student's prompt). SDPO's feedback prompts are not."""
+    out = [prompt_ids(tok, r.messages) for r in anchors]
+    if cfg.teacher.context == "none" and cfg.method in ROLLOUT_METHODS:
+        out += [prompt_ids(tok, r.messages) for r in rows]
+    elif cfg.method == "sdft":
+        out += [prompt_ids(tok, teacher_messages(cfg, tok, r.messages, sdft_contexts(r)).messages)
+                for r in rows]
+    return out
 
 
 def train_step(cfg: TrainConfig, ctx: StepContext, step: int) -> dict[str, float]:
@@ -223,9 +277,12 @@ def train_step(cfg: TrainConfig, ctx: StepContext, step: int) -> dict[str, float
     with precision(cfg, model):
         samples = make_samples(cfg, ctx, indices, step, timer, offset=shard.start)
     attach_contexts(cfg, ctx, samples, timer)
+    share = share_prefix(cfg, model, train_model)
     with precision(cfg, model):
         ctx_rows, teacher_logits, sb = score_batch(ctx.regime, model, samples,
-                                                   ctx.tokenizer.pad_token_id, timer)
+                                                   ctx.tokenizer.pad_token_id, timer,
+                                                   share_prefix=share,
+                                                   prompt_cache=ctx.prompt_cache)
     has_signal = dist.any(_has_signal(cfg, samples, ctx_rows))
     counts = dist.global_counts(token_counts(samples, sb.completion_mask, ctx_rows))
     metrics: dict[str, float] = {}
@@ -287,23 +344,59 @@ def native_bf16(device: torch.device) -> bool:
     return False
 
 
+def share_prefix(cfg: TrainConfig, model: Any, train_model: Any) -> bool:
+    """Whether the student scores its batch with a shared prefix (`cfg.share_prefix`). Not
+    through an engine wrapper (DDP counts one forward per backward; the prefix is a second)
+    nor under gradient checkpointing (the recomputed layers would extend the cache twice)."""
+    return cfg.share_prefix and train_model is model and not cfg.gradient_checkpointing
+
+
 def score_batch(regime: Any, model: Any, samples: list[Sample], pad: int,
-                timer: PhaseTimer) -> tuple[list[int], torch.Tensor | None, PackedBatch]:
+                timer: PhaseTimer, *, share_prefix: bool = False,
+                prompt_cache: PromptCache | None = None,
+                ) -> tuple[list[int], torch.Tensor | None, PackedBatch]:
     """Teacher logits (no gradient, (B_ctx, T, V)) of the samples with a teacher prompt, their
-    row indices, and the packed student batch. Shared by `train_step` and `traces replay`."""
+    row indices, and the packed student batch. Shared by `train_step` and `traces replay`.
+
+    A frozen teacher reads the keys and values of prompts in its `prompt_cache` and runs over
+    those rows' completions only. The other rows run in groups of similar prompt length
+    (`length_groups`: task rows with a long privileged context and anchor rows with none pad
+    to their own widths), each sharing its prompts' common prefix. The student batch
+    shares its prefix when `share_prefix`."""
     ctx_rows = [i for i, s in enumerate(samples) if s.teacher_prompt is not None]
     device = next(model.parameters()).device
     sb = build_batch([s.prompt for s in samples], [s.completion for s in samples], pad,
-                     device=device)
+                     device=device, share_prefix=share_prefix)
     width = sb.completion_ids.shape[1]  # the longest completion may be a row without context
     teacher_logits = None
-    if ctx_rows:
-        with timer("teacher"):
-            tb = build_batch([samples[i].teacher_prompt for i in ctx_rows],
-                             [samples[i].completion for i in ctx_rows], pad, device=device,
-                             completion_width=width)
-            teacher_logits = regime.teacher_logits(
-                model, tb.input_ids, tb.attention_mask, tb.position_ids, width + 1)[:, :-1].float()
+    if not ctx_rows:
+        return ctx_rows, teacher_logits, sb
+    prompts = [samples[i].teacher_prompt for i in ctx_rows]
+    completions = [samples[i].completion for i in ctx_rows]
+    use_cache = prompt_cache is not None and regime.frozen
+    cached = [j for j, p in enumerate(prompts) if use_cache and p in prompt_cache]
+    rest = sorted(set(range(len(prompts))) - set(cached))
+    parts = []  # (rows of ctx_rows, their logits)
+    with timer("teacher"):
+        if cached:
+            cache, cache_width = prompt_cache.assemble([prompts[j] for j in cached])
+            tb = build_batch([prompts[j] for j in cached], [completions[j] for j in cached], pad,
+                             device=device, completion_width=width)
+            parts.append((cached, regime.teacher_logits(
+                model, tb.input_ids, tb.attention_mask, tb.position_ids, width + 1, cache_width,
+                cache)[:, :-1].float()))
+        for group in length_groups([len(prompts[j]) for j in rest]):
+            rows = [rest[j] for j in group]
+            tb = build_batch([prompts[j] for j in rows], [completions[j] for j in rows], pad,
+                             device=device, completion_width=width, share_prefix=True)
+            parts.append((rows, regime.teacher_logits(
+                model, tb.input_ids, tb.attention_mask, tb.position_ids, width + 1,
+                tb.prefix_width)[:, :-1].float()))
+        if len(parts) == 1 and parts[0][0] == list(range(len(prompts))):
+            return ctx_rows, parts[0][1], sb
+        teacher_logits = parts[0][1].new_empty((len(prompts), *parts[0][1].shape[1:]))
+        for rows, logits in parts:
+            teacher_logits[torch.tensor(rows, device=logits.device)] = logits
     return ctx_rows, teacher_logits, sb
 
 
@@ -405,10 +498,17 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
 
         def graders(row: Row) -> Any:
             return make_env(row, reveal=reveal)
+    cache = None
+    if regime.frozen and cfg.teacher.prompt_cache_mb:
+        prompts = fixed_teacher_prompts(cfg, tokenizer, rows, list(anchors))
+        if prompts:
+            cache = PromptCache(cfg.teacher.prompt_cache_mb * 2**20)
+            with precision(cfg, model):
+                cache.warm(regime, model, prompts, tokenizer.pad_token_id)
     return StepContext(model, tokenizer, regime, optimizer, scheduler, rows, list(anchors),
                        graders, sampler=sampler or HFSampler(
                            model, tokenizer, fold_lora=cfg.rollout.fold_lora), dist=dist,
-                       train_model=train_model)
+                       train_model=train_model, prompt_cache=cache)
 
 
 __all__ = ["ROLLOUT_METHODS", "StepContext", "batch_indices", "build_model", "make_step_context",

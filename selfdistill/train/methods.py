@@ -148,7 +148,8 @@ def method_loss(method: str, samples: list[Sample], x: LossInputs, loss_cfg: Any
     mask = x.mask
     if method in ("sft", "cpt"):
         nll = masked_mean(-logp, mask, _count(x, "all"))
-        return nll, {"nll": nll.item()}
+        # The metric is this batch's own token mean (with global counts `nll` is its share).
+        return nll, {"nll": float(masked_mean(-logp.detach(), mask))}
 
     terms: list[Tensor] = []
     # Distillation over the rows with a teacher prompt: the method's context rows (sdft/sdpo)
@@ -172,10 +173,9 @@ def method_loss(method: str, samples: list[Sample], x: LossInputs, loss_cfg: Any
                                device=logp.device)
         adv = group_advantages(rewards, group_size)
         n = len(graded)  # graded attempts come first, in whole groups
-        pg = masked_mean(policy_gradient_objective(logp[:n], old[:n], adv,
-                                                   clip_eps=loss_cfg.clip_eps), mask[:n],
-                         _count(x, "graded"))
-        metrics["pg_loss"] = pg.item()
+        pg_tok = policy_gradient_objective(logp[:n], old[:n], adv, clip_eps=loss_cfg.clip_eps)
+        pg = masked_mean(pg_tok, mask[:n], _count(x, "graded"))
+        metrics["pg_loss"] = float(masked_mean(pg_tok.detach(), mask[:n]))  # this batch's mean
         terms.append(pg_weight * pg)
     loss = torch.stack(terms).sum() if terms else logp.sum() * 0.0
     return loss, metrics

@@ -7,14 +7,14 @@ student runs on ⌈B/m⌉ sub-batches in turn and backpropagates each before the
 Rows are grouped by length (`length_order`), so padding — compute spent on nothing — shrinks
 too.
 
-Exactness. The method losses are token means, L = (1/N) Σ_{tokens} ℓ, over the N loss tokens of
-the whole batch (see `loss_tokens`). A micro-batch's loss is the same mean over its own N_i
-tokens, L_i = (1/N_i) Σ_{tokens ∈ i} ℓ, so Σ_i (N_i/N)·L_i = L and backpropagating
-(N_i/N)·L_i per micro-batch accumulates exactly ∇L (up to float32 summation order). That holds
-when the loss is ONE token mean over one set of rows; `TrainConfig` therefore rejects
-micro-batching together with anchors (two means with separate weights) and with an sdpo mix of
-distillation and GRPO (two means over different rows), and requires whole GRPO groups per
-micro-batch (group-normalized advantages).
+Exactness. The method losses are weighted sums of token means, L = Σ_k w_k (1/N_k) Σ_{tokens
+of term k} ℓ (task rows, anchor rows, GRPO rows: `methods.token_counts`). Every micro-batch's
+loss is computed with the WHOLE batch's denominators N_k, so it is exactly its own tokens' share
+of each term and the micro-batch losses sum to L: backpropagating each accumulates ∇L (up to
+float32 summation order). Two things stay whole: GRPO groups (group-normalized advantages; the
+micro-batch size must be a multiple of the group size and GRPO keeps the batch order), and an
+sdpo mix of distillation and GRPO is rejected by `TrainConfig` (its GRPO term assumes the graded
+rows come first, which length ordering breaks).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from selfdistill.teacher import PackedBatch, build_batch, completion_logits
-from selfdistill.train.methods import LossInputs, Sample, method_loss
+from selfdistill.train.methods import LossInputs, Sample, method_loss, token_counts
 
 
 def loss_rows(method: str, samples: list[Sample]) -> list[int]:
@@ -67,11 +67,11 @@ def student_backward(cfg: Any, model: Any, samples: list[Sample], sb: PackedBatc
 
     `teacher_logits`: (len(ctx_rows), T, V) for the rows `ctx_rows` of the full batch `sb`.
     `cfg.micro_batch_size` None (or >= B) = one pass over `sb`; otherwise slices of that size of
-    the rows in `length_order`, each re-packed to its own width, loss weighted by its token
-    share (module docstring). `precision()` returns the forward's autocast context.
-    `counts`: the loss denominators (`methods.token_counts`, global under data parallelism);
-    given them, each micro-batch's loss is already its share Σ_i ℓ / N and needs no weight.
-    `backward(loss)`: the engine's backward (`Dist.backward`).
+    the rows in `length_order`, each re-packed to its own width, its loss taken over the whole
+    batch's denominators (module docstring). `precision()` returns the forward's autocast
+    context. `counts`: those denominators (`methods.token_counts`; global under data
+    parallelism); None = this batch's. `backward(loss)`: the engine's backward
+    (`Dist.backward`).
     """
     size = cfg.micro_batch_size or len(samples)
     if size >= len(samples):
@@ -80,6 +80,8 @@ def student_backward(cfg: Any, model: Any, samples: list[Sample], sb: PackedBatc
                                         counts)
         backward(loss)
         return loss.detach(), metrics
+    if counts is None:  # the whole batch's denominators: each micro-batch's loss is its share
+        counts = token_counts(samples, sb.completion_mask, ctx_rows)
     method = _method(cfg)
     total = max(loss_tokens(method, samples), 1)
     t_row = {row: j for j, row in enumerate(ctx_rows)}
@@ -88,20 +90,18 @@ def student_backward(cfg: Any, model: Any, samples: list[Sample], sb: PackedBatc
     for start in range(0, len(samples), size):
         idx = order[start:start + size]
         part = [samples[i] for i in idx]
-        weight = loss_tokens(method, part) / total
         rows = [j for j, i in enumerate(idx) if i in t_row]
         mb = build_batch([s.prompt for s in part], [s.completion for s in part], pad_id,
-                         device=sb.input_ids.device)
+                         device=sb.input_ids.device, share_prefix=sb.prefix_width > 0)
         t_logits = None
         if rows and teacher_logits is not None:
             pick = torch.tensor([t_row[idx[j]] for j in rows], device=teacher_logits.device)
             t_logits = teacher_logits[pick, :mb.completion_ids.shape[1]]
         with precision():
             loss, metrics = update_loss(cfg, model, part, mb, t_logits, rows, update, counts)
-        share = loss if counts is not None else loss * weight
-        backward(share)
-        loss_sum += share.detach().cpu()
-        parts.append((weight, metrics))
+        backward(loss)
+        loss_sum += loss.detach().cpu()
+        parts.append((loss_tokens(method, part) / total, metrics))  # metrics: by token share
     return loss_sum, merge_metrics(parts)
 
 

@@ -35,6 +35,7 @@ from selfdistill.train.loop import (
     make_teacher_regime,
     precision,
     score_batch,
+    share_prefix,
     update_loss,
 )
 from selfdistill.train.methods import Sample
@@ -128,7 +129,8 @@ def replay_step(store: TraceStore, run_id: str, step: int, *,
     samples = _samples(cfg, tok, batch["attempts"])
     with precision(cfg, model):
         ctx_rows, teacher_logits, sb = score_batch(regime, model, samples, tok.pad_token_id,
-                                                   PhaseTimer())
+                                                   PhaseTimer(),
+                                                   share_prefix=share_prefix(cfg, model, model))
         with torch.no_grad():
             loss, _ = update_loss(cfg, model, samples, sb, teacher_logits, ctx_rows, update=0)
     replayed = loss.item()

@@ -88,19 +88,27 @@ def run_suites(model: Any, tok: Any, suites: dict[str, list[Row]], cfg: TrainCon
                progress: bool, oracle: bool = False) -> dict[str, dict[str, Any]]:
     """Strict accuracy per suite (rows with `tests`: the code passes them all). `oracle=True`:
     only suites whose rows carry privileged context, with that context in the prompt (the
-    teacher's ceiling)."""
-    out = {}
-    for name, rows in suites.items():
-        if oracle and not all(r.privileged_context for r in rows):
-            continue
-        score = evaluate_code if any(has_tests(r) for r in rows) else evaluate
-        rep = score(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens,
-                    batch_size=cfg.eval.batch_size, progress=progress,
-                    messages_fn=_oracle_messages if oracle else None,
-                    desc=f"{'oracle ' if oracle else ''}{name}")
-        out[name] = {"accuracy": rep.accuracy, "correct": rep.correct, "n": rep.n,
+    teacher's ceiling). All suites' rows are answered in one pass, so a generation batch
+    (`eval.batch_size`) is filled across suites rather than suite by suite."""
+    if oracle:
+        suites = {k: v for k, v in suites.items() if all(r.privileged_context for r in v)}
+    rows = [r for part in suites.values() for r in part]
+    if not rows:
+        return {}
+    score = evaluate_code if any(has_tests(r) for r in rows) else evaluate
+    rep = score(model, tok, rows, max_new_tokens=cfg.eval.max_new_tokens,
+                batch_size=cfg.eval.batch_size, progress=progress,
+                messages_fn=_oracle_messages if oracle else None,
+                desc=f"{'oracle ' if oracle else ''}{'+'.join(suites)}")
+    out, start = {}, 0
+    for name, part in suites.items():
+        items = rep.items[start:start + len(part)]
+        start += len(part)
+        correct = sum(i.correct for i in items)
+        out[name] = {"accuracy": correct / len(items) if items else 0.0, "correct": correct,
+                     "n": len(items),
                      "items": [{"prompt": i.prompt[-1]["content"], "completion": i.completion,
-                                "correct": i.correct} for i in rep.items]}
+                                "correct": i.correct} for i in items]}
     return out
 
 
