@@ -211,6 +211,30 @@ def test_base_anchors_are_the_initial_weights_samples_drawn_once(tiny_dir, tmp_p
     assert any(float(w.abs().max()) > 0 for k, w in weights.items() if "lora_B" in k)
 
 
+def test_base_anchor_draws_do_not_depend_on_which_anchors_a_step_needs(tiny_dir, tmp_path,
+                                                                       monkeypatch):
+    """A resumed run draws the base anchors again: the tokens must not depend on which anchors
+    the first step needed, nor on the run's batch settings (padding changes float rounding)."""
+    import selfdistill.train.loop as loop
+
+    draws = []
+    real_draw = loop.base_anchor_completions
+
+    def record(cfg, ctx, indices):
+        out = real_draw(cfg, ctx, indices)
+        draws.append(dict(ctx.base_anchors))
+        return out
+
+    monkeypatch.setattr(loop, "base_anchor_completions", record)
+    for name, size in (("a", 3), ("b", 40)):
+        cfg = tiny_cfg(tiny_dir, tmp_path / name, steps=1, anchor_data="builtin",
+                       anchor_batch_size=size, anchor_source="base", seed=1)
+        run_training(cfg, progress=False)
+    first, second = draws
+    assert len(first) == len(second) == 55  # every anchor, drawn at the first call
+    assert all(first[i].token_ids == second[i].token_ids for i in first)
+
+
 def test_prompt_and_padding_are_masked(tokenizer):
     from selfdistill.teacher import build_batch
 

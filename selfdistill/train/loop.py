@@ -134,7 +134,7 @@ def make_samples(cfg: TrainConfig, ctx: StepContext, indices: list[int], step: i
     with timer("generate"):
         if cfg.anchor_source == "base":
             groups, _ = _rollouts(cfg, ctx, step, (prompts, offset), ([], a_shard.start))
-            a_groups = [[c] for c in base_anchor_completions(cfg, ctx, a_idx, a_prompts)]
+            a_groups = [[c] for c in base_anchor_completions(cfg, ctx, a_idx)]
         else:
             groups, a_groups = _rollouts(cfg, ctx, step, (prompts, offset),
                                          (a_prompts, a_shard.start))
@@ -180,22 +180,26 @@ def _rollouts(cfg: TrainConfig, ctx: StepContext, step: int,
     return run(t_ps, n, t_seeds), run(a_ps, 1, a_seeds) if a_ps else []
 
 
-def base_anchor_completions(cfg: TrainConfig, ctx: StepContext, indices: list[int],
-                            prompts: list[list[int]]) -> list[Any]:
+def base_anchor_completions(cfg: TrainConfig, ctx: StepContext, indices: list[int]) -> list[Any]:
     """`anchor_source=base`: the initial weights' completion of each anchor prompt (adapter off),
-    sampled once per prompt — seeded by the anchor's index, so the same tokens whatever batch
-    first needs it and after a resume — and reused in every later step."""
-    missing = sorted({i for i in indices if i not in ctx.base_anchors})
-    if missing:
-        by_index = dict(zip(indices, prompts, strict=True))
-        seeds = [sample_seed(cfg.seed, 0, BASE_ANCHOR_STREAM, i) for i in missing]
+    seeded by the anchor's index and reused in every later step. All anchors are drawn at the
+    first call, in their file order and fixed batches, so a resumed run (which draws them again)
+    gets bit-identical tokens: a batch's padding, and so its float rounding, never depends on
+    which anchors a step happened to need first."""
+    if not ctx.base_anchors:
+        every = list(range(len(ctx.anchors)))
+        prompts = [prompt_ids(ctx.tokenizer, ctx.anchors[i].messages) for i in every]
+        seeds = [sample_seed(cfg.seed, 0, BASE_ANCHOR_STREAM, i) for i in every]
         with ctx.model.disable_adapter():
-            drawn = generate(ctx.model, ctx.tokenizer, [by_index[i] for i in missing], n=1,
+            drawn = generate(ctx.model, ctx.tokenizer, prompts, n=1,
                              max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                             top_p=cfg.top_p, batch_size=len(missing), seeds=seeds,
+                             top_p=cfg.top_p, batch_size=BASE_ANCHOR_BATCH, seeds=seeds,
                              fold_lora=False)
-        ctx.base_anchors.update((i, group[0]) for i, group in zip(missing, drawn, strict=True))
+        ctx.base_anchors.update((i, group[0]) for i, group in zip(every, drawn, strict=True))
     return [ctx.base_anchors[i] for i in indices]
+
+
+BASE_ANCHOR_BATCH = 16  # fixed: the draw must not depend on the run's batch settings
 
 
 def cpt_prompt(tok: Any) -> list[int]:
