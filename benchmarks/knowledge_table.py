@@ -9,8 +9,8 @@ deviation over the seeds, and the probe drop from Base. Base is the "before" eva
 Oracle the base model with the fact in its prompt (the teacher's ceiling); both are greedy, so
 they do not depend on the seed.
 
-Learning rates (``--lr ARM=VALUE`` to change one): SDFT 3e-3 is the knowledge recipe's, tuned
-on this set (README "Results of the main job"); SFT and CPT default to the same 3e-3 unless
+Learning rates (``--lr ARM=VALUE`` to change one): SDFT 3.5e-3 is the knowledge recipe's, tuned
+on this set (README "Results of the main job"); SFT and CPT default to 3e-3 unless
 ``--tune`` is given, which first runs every trained arm with each of ``--tune-lrs`` on the first
 seed and keeps the best training-question accuracy (ties: paraphrases, then probes).
 
@@ -51,7 +51,7 @@ ARMS: dict[str, list[str]] = {
     "SDFT (base teacher)": ["method=sdft", "teacher.regime=base"],
     "SDFT (EMA teacher)": ["method=sdft", "teacher.regime=ema"],
 }
-DEFAULT_LR = {"CPT": 3e-3, "SFT": 3e-3, "SDFT (base teacher)": 3e-3, "SDFT (EMA teacher)": 3e-3}
+DEFAULT_LR = {"CPT": 3e-3, "SFT": 3e-3, "SDFT (base teacher)": 3.5e-3, "SDFT (EMA teacher)": 3.5e-3}
 SUITES = ("train", "paraphrases", "probes")
 
 
