@@ -13,7 +13,7 @@ from transformers import LogitsProcessorList
 from selfdistill.models import cache_arg
 from selfdistill.rollout.seeding import GumbelSampler
 from selfdistill.teacher.regimes import is_peft, prefill, teacher_mode
-from selfdistill.teacher.scoring import common_prefix
+from selfdistill.teacher.scoring import common_prefix, left_pad
 
 
 @dataclass
@@ -31,21 +31,6 @@ class Completion:
     text: str
     finished: bool
     meta: dict[str, Any] = field(default_factory=dict)
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int,
-              shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, W) ids and mask laid out as `[shared prefix | pad … rest of prompt]` (plain left
-    padding when `shared` = 0)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, :shared] = torch.tensor(p[:shared], dtype=torch.long)
-        mask[i, :shared] = 1
-        ids[i, width - len(p) + shared:] = torch.tensor(p[shared:], dtype=torch.long)
-        mask[i, width - len(p) + shared:] = 1
-    return ids, mask
 
 
 def _shared_prefix_cache(model: Any, ids: torch.Tensor, shared: int) -> Any:
@@ -109,7 +94,7 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_t
     for start in range(0, len(flat), batch_size):
         chunk = flat[start:start + batch_size]
         shared = common_prefix(chunk) if len(chunk) > 1 else 0
-        ids, mask = (t.to(model.device) for t in _left_pad(chunk, pad_id, shared))
+        ids, mask = (t.to(model.device) for t in left_pad(chunk, pad_id, shared))
         kwargs: dict[str, Any] = {"do_sample": False} if greedy else {
             "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         if seeds is not None and not greedy:  # seeded Gumbel-max on top of greedy decoding

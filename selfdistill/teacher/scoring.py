@@ -86,14 +86,11 @@ def build_batch(
         width_t = completion_width
     rows = len(prompts)
     shared = common_prefix(prompts) if share_prefix and rows > 1 else 0
-    input_ids = torch.full((rows, width_p + width_t), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-        start, end = width_p - len(prompt) + shared, width_p + len(completion)
-        input_ids[i, :shared] = torch.tensor(prompt[:shared], dtype=torch.long)
-        attention_mask[i, :shared] = 1
-        input_ids[i, start:end] = torch.tensor(prompt[shared:] + completion, dtype=torch.long)
-        attention_mask[i, start:end] = 1
+    input_ids, attention_mask = left_pad(prompts, pad_id, shared, extra=width_t)
+    for i, completion in enumerate(completions):
+        input_ids[i, width_p:width_p + len(completion)] = torch.tensor(completion,
+                                                                       dtype=torch.long)
+        attention_mask[i, width_p:width_p + len(completion)] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return PackedBatch(
         input_ids=input_ids.to(device),
@@ -104,6 +101,23 @@ def build_batch(
         prompt_width=width_p,
         prefix_width=shared,
     )
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, shared: int = 0,
+             extra: int = 0) -> tuple[Tensor, Tensor]:
+    """(B, P + `extra`) long ids and attention mask, P = the longest prompt: each prompt laid out
+    as `[shared prefix | pad … rest of prompt]` (plain left padding when `shared` = 0), then
+    `extra` pad columns (mask 0) for the caller to fill."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width + extra), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        start = width - len(p) + shared
+        ids[i, :shared] = torch.tensor(p[:shared], dtype=torch.long)
+        ids[i, start:width] = torch.tensor(p[shared:], dtype=torch.long)
+        mask[i, :shared] = 1
+        mask[i, start:width] = 1
+    return ids, mask
 
 
 def common_prefix(prompts: list[list[int]]) -> int:
