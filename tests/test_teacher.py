@@ -17,6 +17,7 @@ from selfdistill.teacher import (
     completion_logits,
     length_groups,
     make_regime,
+    model_logits,
     score_completions,
 )
 
@@ -36,7 +37,7 @@ def _lora(model, dropout: float = 0.0):
 
 def _inputs(prompt: list[int], completion: list[int]):
     batch = build_batch([prompt], [completion], pad_id=0)
-    return batch.input_ids, batch.attention_mask, batch.position_ids, len(completion) + 1
+    return batch.input_ids, batch.attention_mask, batch.position_ids, len(completion)
 
 
 def _unpadded(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
@@ -92,6 +93,24 @@ def test_completion_logits_align_with_unpadded_forward(tokenizer, tiny_model):
     assert batch.attention_mask[short_prompt, 0] == 0
     assert batch.attention_mask[short_completion, -1] == 0
     assert batch.attention_mask.sum().item() == sum(map(len, prompts + completions))
+
+
+def test_model_logits_keep_exactly_the_completion_positions(tiny_model):
+    """The head runs at the T predicting positions only (a contiguous (B, T, V) block, no slice
+    whose backward would zero-fill (B, T+1, V)); a model that ignores `logits_to_keep` and returns
+    every position gives the same logits; a completion that leaves no prompt column is refused."""
+    batch = build_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], pad_id=0)
+    inputs = (batch.input_ids, batch.attention_mask, batch.position_ids, 3)
+    kept = model_logits(tiny_model, *inputs)
+    assert kept.shape == (2, 3, tiny_model.config.vocab_size) and kept.is_contiguous()
+
+    def every_position(**kwargs):
+        kwargs.pop("logits_to_keep")
+        return tiny_model(**kwargs)
+
+    torch.testing.assert_close(model_logits(every_position, *inputs), kept, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="completion_width=6 needs 7 columns"):
+        model_logits(tiny_model, *inputs[:3], 6)
 
 
 def test_alignment_holds_for_absolute_position_embeddings():
@@ -174,15 +193,14 @@ def test_shared_prefix_gives_the_plain_forwards_logits_and_gradients(arch, tiny_
     regimes = ["base", "live", "ema"] if arch == "llama-lora" else ["live"]
     for name in regimes:
         regime = make_regime(name)
-        a = regime.teacher_logits(model, *_batch_inputs(shared))[:, :-1]
-        b = regime.teacher_logits(model, *_batch_inputs(plain))[:, :-1]
+        a = regime.teacher_logits(model, *_batch_inputs(shared))
+        b = regime.teacher_logits(model, *_batch_inputs(plain))
         torch.testing.assert_close(a[mask], b[mask], atol=ATOL, rtol=0)
 
 
 def _batch_inputs(batch):
-    width_t = batch.completion_ids.shape[1]
-    return (batch.input_ids, batch.attention_mask, batch.position_ids, width_t + 1,
-            batch.prefix_width)
+    return (batch.input_ids, batch.attention_mask, batch.position_ids,
+            batch.completion_ids.shape[1], batch.prefix_width)
 
 
 def test_length_groups_split_two_length_clusters_and_cover_every_row_once():
@@ -238,8 +256,8 @@ def test_score_completions_lines_up_teacher_and_student(tiny_model):
 def test_base_is_adapter_disabled_and_live_is_current_student(tiny_model):
     model = _lora(tiny_model)
     prompt, completion = [3, 4, 5], [6, 7]
-    base = make_regime("base").teacher_logits(model, *_inputs(prompt, completion))[0, :-1]
-    live = make_regime("live").teacher_logits(model, *_inputs(prompt, completion))[0, :-1]
+    base = make_regime("base").teacher_logits(model, *_inputs(prompt, completion))[0]
+    live = make_regime("live").teacher_logits(model, *_inputs(prompt, completion))[0]
     with model.disable_adapter():
         torch.testing.assert_close(base, _unpadded(model, prompt, completion), atol=ATOL, rtol=0)
     torch.testing.assert_close(live, _unpadded(model, prompt, completion), atol=ATOL, rtol=0)
@@ -302,7 +320,7 @@ def test_ema_follows_the_recursion_and_stays_out_of_the_optimizer(tiny_model):
         for n, p in reference.named_parameters():
             if n in expected:
                 p.copy_(expected[n])
-    teacher = regime.teacher_logits(model, *inputs)[0, :-1]
+    teacher = regime.teacher_logits(model, *inputs)[0]
     torch.testing.assert_close(teacher, _unpadded(reference, [3, 4, 5], [6, 7]), atol=ATOL, rtol=0)
     assert (teacher - _unpadded(model, [3, 4, 5], [6, 7])).abs().max() > 1e-4
 
@@ -349,9 +367,9 @@ def test_full_finetuning_base_and_ema_use_parameter_copies(tiny_model):
     now = _unpadded(model, prompt, completion)
     assert (now - initial).abs().max() > 1e-3
     torch.testing.assert_close(
-        base.teacher_logits(model, *inputs)[0, :-1], initial, atol=ATOL, rtol=0
+        base.teacher_logits(model, *inputs)[0], initial, atol=ATOL, rtol=0
     )
-    torch.testing.assert_close(ema.teacher_logits(model, *inputs)[0, :-1], now, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ema.teacher_logits(model, *inputs)[0], now, atol=ATOL, rtol=0)
 
 
 def test_make_regime_rejects_unknown_names_and_rates():

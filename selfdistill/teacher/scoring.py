@@ -3,8 +3,8 @@
 Layout of a packed batch, per row: `[pad … prompt | completion … pad]`. Prompts are left-padded
 to width P and completions right-padded to width T, so every completion starts at column P and
 the columns line up across the student batch and the teacher batch, whose prompt widths differ.
-The logits at columns P−1 … P+T−2 predict completion tokens 0 … T−1: the forward asks the model
-for the last T+1 positions only (`logits_to_keep`) and drops the final one.
+The logits at columns P−1 … P+T−2 predict completion tokens 0 … T−1: the forward runs the output
+head at those T positions only (`model_logits`).
 
 Positions are passed explicitly as `cumsum(attention_mask) − 1` (clamped at 0): a plain HF forward
 does not derive them from the mask. Rotary models hide the error (a constant shift cancels in
@@ -156,9 +156,8 @@ def length_groups(lengths: list[int], overhead: int = 512) -> list[list[int]]:
 
 
 def _inputs(batch: PackedBatch) -> tuple[Tensor, Tensor, Tensor, int, int]:
-    width_t = batch.completion_ids.shape[1]
-    return (batch.input_ids, batch.attention_mask, batch.position_ids, width_t + 1,
-            batch.prefix_width)
+    return (batch.input_ids, batch.attention_mask, batch.position_ids,
+            batch.completion_ids.shape[1], batch.prefix_width)
 
 
 def completion_logits(model: torch.nn.Module, batch: PackedBatch) -> Tensor:
@@ -167,7 +166,7 @@ def completion_logits(model: torch.nn.Module, batch: PackedBatch) -> Tensor:
     Row b, column t is the model's distribution for completion token t given the prompt and
     completion tokens 0 … t−1.
     """
-    return model_logits(model, *_inputs(batch))[:, :-1]
+    return model_logits(model, *_inputs(batch))
 
 
 def score_completions(
@@ -185,7 +184,7 @@ def score_completions(
     device = next(model.parameters()).device
     student = build_batch(student_prompts, completions, pad_id, device=device)
     teacher = build_batch(teacher_prompts, completions, pad_id, device=device)
-    teacher_logits = regime.teacher_logits(model, *_inputs(teacher))[:, :-1]
+    teacher_logits = regime.teacher_logits(model, *_inputs(teacher))
     student_logits = completion_logits(model, student)
     if teacher_logits.shape != student_logits.shape:
         raise RuntimeError(

@@ -387,15 +387,15 @@ def score_batch(regime: Any, model: Any, samples: list[Sample], pad: int,
             tb = build_batch([prompts[j] for j in cached], [completions[j] for j in cached], pad,
                              device=device, completion_width=width)
             parts.append((cached, regime.teacher_logits(
-                model, tb.input_ids, tb.attention_mask, tb.position_ids, width + 1, cache_width,
-                cache)[:, :-1].float()))
+                model, tb.input_ids, tb.attention_mask, tb.position_ids, width, cache_width,
+                cache).float()))
         for group in length_groups([len(prompts[j]) for j in rest]):
             rows = [rest[j] for j in group]
             tb = build_batch([prompts[j] for j in rows], [completions[j] for j in rows], pad,
                              device=device, completion_width=width, share_prefix=True)
             parts.append((rows, regime.teacher_logits(
-                model, tb.input_ids, tb.attention_mask, tb.position_ids, width + 1,
-                tb.prefix_width)[:, :-1].float()))
+                model, tb.input_ids, tb.attention_mask, tb.position_ids, width,
+                tb.prefix_width).float()))
         if len(parts) == 1 and parts[0][0] == list(range(len(prompts))):
             return ctx_rows, parts[0][1], sb
         teacher_logits = parts[0][1].new_empty((len(prompts), *parts[0][1].shape[1:]))
