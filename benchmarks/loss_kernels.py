@@ -1,7 +1,10 @@
 """Time and peak extra memory of `per_token_divergence` forward+backward: plain vs chunked.
 
 What is measured, per configuration (estimator ∈ {full, top-k 100 + tail}, path ∈ {plain,
-chunked}), on CPU in float32 with B=4, V=49152 and T=1024 (``--long``: T=4096):
+chunked, chunked+overwrite}), on CPU in float32 with B=4, V=49152 and T=1024 (``--long``:
+T=4096). ``chunked+overwrite`` is ``overwrite_student=True``: the backward writes the gradient
+over the student logits (what the trainer does with its row-selected copy of them) instead of
+allocating it:
 
 - **time**: wall-clock seconds of ``per_token_divergence(...).sum().backward()``. ``--rounds``
   rounds; in each, every configuration runs once in a fresh process (one warm-up run, then one
@@ -13,8 +16,9 @@ chunked}), on CPU in float32 with B=4, V=49152 and T=1024 (``--long``: T=4096):
   ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` is read. The difference is the most memory the
   forward+backward ever needed on top of its inputs, as the operating system saw it (every page
   torch touched, allocator slack included; nothing is estimated). It includes the (B, T, V)
-  gradient of the student logits itself (B·T·V·4 bytes), which any implementation must produce,
-  so the chunked path cannot go below that floor; the table header states it.
+  gradient of the student logits itself (B·T·V·4 bytes), which the plain and chunked paths
+  allocate, so the chunked path cannot go below that floor (the "above the gradient" column
+  compares what each needs beyond it); chunked+overwrite stores it in the logits' storage.
 - **time ratios** compare processes that ran minutes apart on a shared machine, so they carry
   the noise of whatever else ran meanwhile (the load average at start and end is recorded); the
   interleaving spreads that noise evenly, and the minimum is the least disturbed run.
@@ -67,7 +71,7 @@ from common import (
 )
 
 ESTIMATORS = {"full": None, "topk100+tail": 100}
-PATHS = ("plain", "chunked")
+PATHS = ("plain", "chunked", "chunked+overwrite")
 
 
 def run_worker(cfg: dict) -> dict:
@@ -84,14 +88,20 @@ def run_worker(cfg: dict) -> dict:
     teacher = torch.randn(shape).mul_(3.0)
     baseline = current_rss_bytes()
     kwargs = {"alpha": cfg["alpha"], "topk": cfg["topk"], "add_tail": True}
-    if cfg["path"] == "chunked":
+    if cfg["path"] != "plain":
         kwargs["chunk_size"] = cfg["chunk_size"]
+        kwargs["overwrite_student"] = cfg["path"] == "chunked+overwrite"
     times = []
     for i in range(cfg["repeats"] + 1):
+        if i > 0:  # the overwrite path left gradients in the logits: fresh values, same memory
+            with torch.no_grad():
+                student.normal_().mul_(3.0)
         start = time.perf_counter()
-        per_token_divergence(student, teacher, **kwargs).sum().backward()
+        # autograd.grad hands the gradient back as computed (no .grad accumulation copy)
+        (grad,) = torch.autograd.grad(per_token_divergence(student, teacher, **kwargs).sum(),
+                                      student)
         elapsed = time.perf_counter() - start
-        student.grad = None
+        del grad
         if i > 0:  # run 0 is the warm-up
             times.append(elapsed)
     return {"times": times, "extra_bytes": peak_rss_bytes() - baseline}
@@ -166,8 +176,9 @@ def render(settings: dict, rows: list[dict]) -> str:
         f"at start {settings['loadavg']}, at end {settings.get('loadavg_end', '?')} "
         f"(shared 2-core machine: other jobs compete for the cores, so medians are noisy; the "
         f"minimum is the least disturbed run).",
-        f"Peak extra memory = peak RSS minus RSS after allocating inputs; it includes the "
-        f"{grad_mib:.0f} MiB student-logit gradient every path must produce.",
+        f"Peak extra memory = peak RSS minus RSS after allocating inputs; for plain and "
+        f"chunked it includes the {grad_mib:.0f} MiB student-logit gradient they allocate "
+        f"(chunked+overwrite writes it over the student logits).",
         "",
         "| estimator | path | time median (s) | time min (s) | peak extra (MiB) "
         "| chunked/plain time (median, min) | chunked/plain memory "
@@ -185,14 +196,15 @@ def render(settings: dict, rows: list[dict]) -> str:
         mem_txt = f"~{mem:.0f} (extrapolated, not run)" if r.get("extrapolated") else f"{mem:.0f}"
         t_ratio = m_ratio = g_ratio = ""
         plain = by_key.get((r["estimator"], "plain"), {"error": "missing"})
-        if r["path"] == "chunked" and "error" not in plain:
+        if r["path"] != "plain" and "error" not in plain:
             p_med = statistics.median(plain["times"]) if plain["times"] else None
             p_low = min(plain["times"]) if plain["times"] else None
             t_ratio = f"{ratio(med, p_med)}, {ratio(low, p_low)}"
             m_ratio = ratio(r["extra_bytes"], plain["extra_bytes"])
             # what each path needs beyond the (B, T, V) gradient any implementation returns
-            g_ratio = ratio(max(r["extra_bytes"] - grad_mib * MIB, 0.0) or 1e-9,
-                            plain["extra_bytes"] - grad_mib * MIB)
+            g_ratio = "n/a (no gradient tensor)" if r["path"] != "chunked" else ratio(
+                max(r["extra_bytes"] - grad_mib * MIB, 0.0) or 1e-9,
+                plain["extra_bytes"] - grad_mib * MIB)
             if plain.get("extrapolated"):
                 m_ratio += " (vs extrapolated)"
         med_txt = "n/a" if med is None else f"{med:.3g}"
@@ -212,7 +224,8 @@ def plot(settings: dict, rows: list[dict], path: Path) -> None:
 
     ok = [r for r in rows if "error" not in r]
     labels = [f"{r['estimator']}\n{r['path']}" for r in ok]
-    colors = ["tab:blue" if r["path"] == "plain" else "tab:orange" for r in ok]
+    colors = [{"plain": "tab:blue", "chunked": "tab:orange"}.get(r["path"], "tab:green")
+              for r in ok]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
     times = [statistics.median(r["times"]) if r["times"] else 0.0 for r in ok]
     ax_t.bar(labels, times, color=colors)

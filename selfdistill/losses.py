@@ -199,6 +199,13 @@ class _ChunkedDivergence(torch.autograd.Function):
     (``_topk_student_grad``). Each chunk's ``grad_out[:, None] · ∂D/∂s`` is written straight
     into the (N, V) gradient when the student is float32 (via a float32 temporary otherwise).
     Peak extra memory: that gradient plus a few (chunk, V) float32 temporaries.
+
+    ``overwrite``: the gradient goes into the student logits' own storage instead (row chunk i
+    of the logits is read before chunk i of the gradient is written, and no chunk reads another
+    chunk's rows), so no (N, V) gradient is allocated: peak extra memory is the temporaries and
+    the per-row statistics. The write bumps the logits' version counter, so a later backward
+    that saved the same logits fails with autograd's "modified by an inplace operation" error
+    instead of using the overwritten values.
     """
 
     @staticmethod
@@ -210,6 +217,7 @@ class _ChunkedDivergence(torch.autograd.Function):
         topk: int | None,
         add_tail: bool,
         chunk_size: int,
+        overwrite: bool = False,
     ) -> Tensor:
         n_rows, device = student_N_V.shape[0], student_N_V.device
         out_N = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -236,14 +244,15 @@ class _ChunkedDivergence(torch.autograd.Function):
                 for buf, value in zip(saved, (idx, log_p, log_q, *(aux or ())), strict=True):
                     buf[rows] = value
         ctx.save_for_backward(student_N_V, teacher_N_V, *saved)
-        ctx.alpha, ctx.chunk_size = alpha, chunk_size
+        ctx.alpha, ctx.chunk_size, ctx.overwrite = alpha, chunk_size, overwrite
         return out_N
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out_N: Tensor):  # type: ignore[override]
         student_N_V, teacher_N_V, *saved = ctx.saved_tensors
-        grad_N_V = torch.empty_like(student_N_V)
+        # detach: the same storage and version counter, without the input's autograd history
+        grad_N_V = student_N_V.detach() if ctx.overwrite else torch.empty_like(student_N_V)
         direct = grad_N_V.dtype == torch.float32
         for lo in range(0, student_N_V.shape[0], ctx.chunk_size):
             rows = slice(lo, lo + ctx.chunk_size)
@@ -258,7 +267,7 @@ class _ChunkedDivergence(torch.autograd.Function):
                 g = _topk_student_grad(s, idx, log_p, g_buckets, tuple(m_z_r) or None, out)
             if not direct:
                 grad_N_V[rows] = g
-        return grad_N_V, None, None, None, None, None
+        return grad_N_V, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,6 +283,7 @@ def per_token_divergence(
     topk: int | None = None,
     add_tail: bool = True,
     chunk_size: int | None = None,
+    overwrite_student: bool = False,
 ) -> Tensor:
     """Per-token divergence between student and teacher next-token distributions, in nats.
 
@@ -297,6 +307,10 @@ def per_token_divergence(
             shared with other busy processes, run with OMP_WAIT_POLICY=PASSIVE: spin-waiting
             OpenMP threads slow each of the many per-chunk kernels (see
             benchmarks/loss_kernels.py).
+        overwrite_student: with ``chunk_size``, backward writes the gradient into the student
+            logits' storage (their values are gone afterwards) instead of a new (B, T, V) tensor:
+            for logits nothing reads after this loss, such as a row-selected copy. Another
+            backward that saved the same logits then raises instead of reading gradients.
 
     Returns:
         (B, T) float32 per-token values.
@@ -313,11 +327,15 @@ def per_token_divergence(
         raise ValueError(f"topk must be in [1, vocabulary size {vocab}], got {topk}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
+    if overwrite_student and chunk_size is None:
+        raise ValueError("overwrite_student needs chunk_size (only the chunked backward can "
+                         "write the gradient into the logits row chunk by row chunk)")
     s_N_V = student_logits.reshape(-1, vocab)
     t_N_V = teacher_logits.detach().reshape(-1, vocab)
     alpha = float(alpha)
     if chunk_size is not None:
-        out_N = _ChunkedDivergence.apply(s_N_V, t_N_V, alpha, topk, add_tail, chunk_size)
+        out_N = _ChunkedDivergence.apply(s_N_V, t_N_V, alpha, topk, add_tail, chunk_size,
+                                         overwrite_student)
         return out_N.reshape(lead)
     s_N_V, t_N_V = s_N_V.float(), t_N_V.float()
     if topk is None and alpha == 0.0:

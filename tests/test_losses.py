@@ -257,6 +257,50 @@ def test_chunked_equals_plain_values_and_gradients(alpha, topk, add_tail, chunk)
         assert g_chunked[non_top].abs().max() == 0
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize(("topk", "add_tail"), [(None, True), (6, True), (6, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overwrite_student_puts_the_same_gradient_into_the_logits_storage(
+    alpha, topk, add_tail, dtype
+):
+    """The gradient written over the logits equals the plain path's; the logits' graph input
+    (here a non-leaf: the head's output, as in training) gets it through the usual backward."""
+    shape, seed = (3, 5, 50), 4000 + int(alpha * 10) + (topk or 0) + add_tail
+    h = _logits(seed, shape).requires_grad_(True)
+    t = _logits(seed + 1, shape)
+    w = torch.rand(shape[:2], generator=torch.Generator().manual_seed(seed + 2))
+    kw = {"alpha": alpha, "topk": topk, "add_tail": add_tail}
+    (g_plain,) = torch.autograd.grad((per_token_divergence(h.to(dtype), t, **kw) * w).sum(), h)
+    student = h.to(dtype) * 1  # a fresh non-leaf, like `logits[rows]` in the trainer
+    out = per_token_divergence(student, t, chunk_size=4, overwrite_student=True, **kw)
+    (g_over,) = torch.autograd.grad((out * w).sum(), h)
+    tol = {"rtol": 2e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0, "atol": 1e-2}
+    torch.testing.assert_close(g_over, g_plain, **tol)
+    # the logits' storage now holds the gradient w.r.t. the logits, no longer the logits
+    torch.testing.assert_close(student.detach().float(), g_plain.float(), **tol)
+
+
+def test_overwrite_student_fails_loudly_when_a_later_backward_needs_the_logits():
+    """A node that saved the logits and runs its backward after the divergence's (autograd
+    runs nodes in reverse creation order: here, created before it) raises; one that runs
+    before it (created after) has read the logits already and gives the exact gradient."""
+    s, t = _logits(21, (2, 3, 30)).requires_grad_(True), _logits(22, (2, 3, 30))
+
+    def grad(other_first: bool, overwrite: bool):
+        logits = s * 1
+        first = (logits * logits).sum() if other_first else 0.0  # mul saves `logits` itself
+        div = per_token_divergence(logits, t, topk=4, chunk_size=2, overwrite_student=overwrite)
+        last = 0.0 if other_first else (logits * logits).sum()
+        return torch.autograd.grad(first + div.sum() + last, s)[0]
+
+    torch.testing.assert_close(grad(False, True), grad(False, False), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grad(True, True)
+    assert torch.isfinite(grad(True, False)).all()
+    with pytest.raises(ValueError, match="overwrite_student needs chunk_size"):
+        per_token_divergence(s, t, overwrite_student=True)
+
+
 def test_chunked_gradient_matches_float64_finite_differences_large_vocab():
     # Independent of autograd: central differences of the float64 reference, a few coordinates.
     v, k = 49152, 100

@@ -199,8 +199,11 @@ def _distillation(logp: Tensor, old: Tensor, x: LossInputs, cfg: Any, corrected:
         per_tok = sampled_token_objective(logp[rows], t_logp)
     else:
         topk = cfg.topk if cfg.estimator == "topk" else None
+        # `s_logits` is a copy (row indexing), read by nothing else: with chunks its storage
+        # can take the gradient, so backward allocates no (rows, T, V) tensor for it.
         per_tok = per_token_divergence(s_logits, x.teacher_logits, alpha=cfg.alpha, topk=topk,
-                                       add_tail=cfg.add_tail, chunk_size=cfg.chunk_size)
+                                       add_tail=cfg.add_tail, chunk_size=cfg.chunk_size,
+                                       overwrite_student=cfg.chunk_size is not None)
     if corrected:
         per_tok = per_tok * importance_weights(logp[rows], old[rows], cfg.importance_clip)
     # Task rows and anchor rows are two token means, so `anchor_weight` sets their balance
