@@ -71,6 +71,36 @@ def test_micro_batches_give_the_full_batch_gradient(tiny_model, method, estimato
     assert m_m[key] == pytest.approx(m_f[key], rel=1e-5)
 
 
+@pytest.mark.parametrize("estimator", ["topk", "full"])
+def test_chunked_loss_in_the_trainer_gives_the_plain_gradient(tiny_model, estimator):
+    """`loss.chunk_size` (whose backward writes the gradient over the trainer's row copy of the
+    student logits) gives the plain path's loss and gradient, at the first update and at an
+    importance-corrected second one, with micro-batches too."""
+    with torch.no_grad():
+        tiny_model.get_input_embeddings().weight.mul_(50.0)
+    model = attach_lora(tiny_model, rank=4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    base = ["train_data=x.jsonl", f"loss.estimator={estimator}", "loss.topk=20",
+            "probe_data=null"]
+    samples = _samples("sdft")
+    _grads(load_config(None, base), model, samples)  # update 0: records the old log-probs
+    for update in (0, 1):
+        loss_p, _, g_p = _grads(load_config(None, base), model, copy.deepcopy(samples), update)
+        for extra in (["loss.chunk_size=3"], ["loss.chunk_size=3", "micro_batch_size=2"]):
+            cfg = load_config(None, [*base, *extra])
+            loss_c, _, g_c = _grads(cfg, model, copy.deepcopy(samples), update)
+            assert loss_c == pytest.approx(loss_p, rel=1e-5) and loss_p > 1e-2
+            assert g_c.keys() == g_p.keys() and g_p
+            for name, g in g_p.items():
+                # two formulas for the same gradient (closed form vs autograd): float32
+                # rounding relative to the tensor's largest entry
+                torch.testing.assert_close(g_c[name], g, rtol=1e-4,
+                                           atol=5e-5 * float(g.abs().max()))
+
+
 def test_micro_batches_with_anchors_give_the_full_batch_gradient(tiny_model):
     """Task rows and anchor rows are two token means with their own weight: each micro-batch
     uses the whole batch's denominators, so the micro-batch losses still sum to the loss."""

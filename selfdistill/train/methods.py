@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from selfdistill.data import Row
@@ -52,7 +53,7 @@ class Sample:
     teacher_messages: list[dict[str, str]] | None = None  # the teacher prompt as built
     truncated_tokens: int = 0
     anchor: bool = False  # an anchor prompt: teacher prompt = student prompt (TrainConfig)
-    old_logprobs: Tensor | None = None  # (T,) per-token log-probs at the first update
+    old_logprobs: Tensor | None = None  # (len(completion),) log-probs at the first update
     behaviour_logprobs: list[float] | None = None  # the sampler's log-probs (NaN = unknown)
     lag: int = 0  # learner steps between the sampler's weights and the learner's (server backend)
     token_logratio: list[float] | None = None  # log p_T − log p_S per completion token (nats)
@@ -121,7 +122,7 @@ def start_policy(samples: list[Sample], logp: Tensor) -> dict[str, float]:
     samples: the engines' numerical mismatch) and `sampler_lag` (mean lag) when known."""
     diffs: list[Tensor] = []
     for i, s in enumerate(samples):
-        s.old_logprobs = logp[i].detach().clone()
+        s.old_logprobs = logp[i, : len(s.completion)].detach().clone()
         if not s.behaviour_logprobs:
             continue
         n = min(len(s.behaviour_logprobs), logp.shape[1])
@@ -144,7 +145,9 @@ def method_loss(method: str, samples: list[Sample], x: LossInputs, loss_cfg: Any
     metrics: dict[str, float] = {}
     if update == 0:
         metrics.update(start_policy(samples, logp))
-    old = torch.stack([s.old_logprobs for s in samples])  # (B, T)
+    # (B, T); each sample's own tokens only, so a later update may pack it at another width
+    old = torch.nn.utils.rnn.pad_sequence([s.old_logprobs for s in samples], batch_first=True)
+    old = F.pad(old, (0, logp.shape[1] - old.shape[1]))
     mask = x.mask
     if method in ("sft", "cpt"):
         nll = masked_mean(-logp, mask, _count(x, "all"))
