@@ -5,8 +5,10 @@ Task: the knowledge questions (examples/knowledge/train.jsonl, 16 invented facts
 strict answer rule; `sdpo.reveal_answer=true`, so a failed attempt's feedback says "Incorrect.
 The expected answer is: X" — information a 0/1 reward cannot carry. The fact itself is NOT given
 to the teacher (these runs use the rows' `answer` only, through the grader). Every arm: the same
-prompts per step, `--generations` completions per prompt, `--steps` optimizer steps; the
-training questions are evaluated (greedy) every `--eval-every` steps. Generated samples at step
+prompts per step, `--generations` completions per prompt, `--steps` optimizer steps, no
+anchor rows (the knowledge example's forgetting guard is off, so the arms differ only in the
+learning signal); the training questions are evaluated (greedy) every `--eval-every` steps.
+Generated samples at step
 s = s x batch_size x generations. Reported: the accuracy curves, GRPO's final accuracy, and for
 each arm the first evaluated point at which it reaches that accuracy (generations needed).
 When GRPO never rises above the base model's accuracy (no correct sibling ever appears, so every
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         common = [f"steps={args.steps}", f"batch_size={args.batch_size}",
                   f"num_generations={args.generations}", f"eval.every_steps={args.eval_every}",
                   f"learning_rate={args.lr}", "updates_per_batch=1", "eval_data={}",
-                  "probe_data=null", "eval.oracle=false", "checkpoint_every=0",
+                  "probe_data=null", "anchor_data=null", "anchor_batch_size=0",
+                  "eval.oracle=false", "checkpoint_every=0",
                   f"threads={args.threads}", "sdpo.reveal_answer=true", *extra]
         start = loadavg()
         curves = run_arms(args.arms, args.seeds, common, args.batch_size * args.generations,

@@ -15,7 +15,9 @@ FLOPs, two ways:
   completion positions only (4·V·d per kept position: forward and input gradient; the head is
   frozen) — attention's T² terms left out.
 The fraction reported is counted FLOPs / time divided by the FLOP/s of one large float32
-matmul (``--matmul`` square, same threads, same process, median of ``--reps``).
+matmul (``--matmul`` square, same threads, same process, median of ``--reps``), the two timed
+alternately (pass, matmul, pass, …): this machine's speed drifts by up to 2x between minutes
+(a 2048³ matmul measured 179 and 90 GFLOP/s in two runs an hour apart, idle both times).
 
     .venv/bin/python benchmarks/utilization.py             # default model, 8 x (48 + 64) tokens
     .venv/bin/python benchmarks/utilization.py --batch 16 --completion 128
@@ -45,22 +47,19 @@ from common import (
 )
 
 
-def _median_seconds(fn: Any, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def interleaved_medians(fns: list[Any], reps: int) -> list[float]:
+    """Median wall seconds of each callable over `reps` rounds after one warm-up each; every
+    round runs all of them once, so a slow spell of the (shared, virtual) machine hits each
+    alike instead of whichever was measured during it."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def matmul_flops_per_s(n: int, reps: int) -> float:
-    """FLOP/s of an (n, n) @ (n, n) float32 matmul: 2·n³ / median seconds."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _median_seconds(lambda: a @ b, reps)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def param_counts(model: Any) -> dict[str, int]:
@@ -110,8 +109,9 @@ def measure(model_dir: str, batch: int, prompt: int, completion: int, reps: int,
     with FlopCounterMode(display=False) as counter:
         step()
     counted = counter.get_total_flops()
-    seconds = _median_seconds(step, reps)
-    mm = matmul_flops_per_s(matmul, reps)
+    a, b = torch.randn(matmul, matmul), torch.randn(matmul, matmul)
+    seconds, mm_seconds = interleaved_medians([step, lambda: a @ b], reps)
+    mm = 2 * matmul**3 / mm_seconds  # FLOP/s of one (n, n) @ (n, n) float32 matmul
     p = param_counts(model)
     d = model.get_output_embeddings().weight.shape[1]
     n_tok = batch * (prompt + completion)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=48, help="prompt tokens per row")
     ap.add_argument("--completion", type=int, default=64, help="completion tokens per row")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--matmul", type=int, default=2048, help="reference matmul size n")
     ap.add_argument("--model", help="model directory (default: the embedded default model)")
     args = ap.parse_args(argv)
