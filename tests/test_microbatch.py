@@ -35,6 +35,19 @@ def _samples(method: str) -> list[Sample]:
     return out
 
 
+def _sharp_lora(tiny_model):
+    """The tiny model with sharper distributions than the random init's near-uniform ones and a
+    LoRA adapter whose B is nonzero, so student (adapter on) and teacher (off) differ."""
+    with torch.no_grad():
+        tiny_model.get_input_embeddings().weight.mul_(50.0)
+    model = attach_lora(tiny_model, rank=4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return model
+
+
 def _grads(cfg, model, samples, update=0):
     ctx_rows, t_logits, sb = score_batch(make_regime("base"), model, samples, PAD, PhaseTimer())
     model.zero_grad(set_to_none=True)
@@ -46,13 +59,7 @@ def _grads(cfg, model, samples, update=0):
 
 @pytest.mark.parametrize("method,estimator", [("sdft", "topk"), ("sdft", "full"), ("sft", "full")])
 def test_micro_batches_give_the_full_batch_gradient(tiny_model, method, estimator):
-    with torch.no_grad():  # sharper distributions than the random init's near-uniform ones
-        tiny_model.get_input_embeddings().weight.mul_(50.0)
-    model = attach_lora(tiny_model, rank=4)
-    with torch.no_grad():  # nonzero B so student (adapter on) and teacher (off) differ
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
+    model = _sharp_lora(tiny_model)
     base = [f"method={method}", "train_data=x.jsonl", f"loss.estimator={estimator}",
             "loss.topk=20", "probe_data=null"]
     full_cfg = load_config(None, base)
@@ -76,13 +83,7 @@ def test_chunked_loss_in_the_trainer_gives_the_plain_gradient(tiny_model, estima
     """`loss.chunk_size` (whose backward writes the gradient over the trainer's row copy of the
     student logits) gives the plain path's loss and gradient, at the first update and at an
     importance-corrected second one, with micro-batches too."""
-    with torch.no_grad():
-        tiny_model.get_input_embeddings().weight.mul_(50.0)
-    model = attach_lora(tiny_model, rank=4)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
+    model = _sharp_lora(tiny_model)
     base = ["train_data=x.jsonl", f"loss.estimator={estimator}", "loss.topk=20",
             "probe_data=null"]
     samples = _samples("sdft")
@@ -104,13 +105,7 @@ def test_chunked_loss_in_the_trainer_gives_the_plain_gradient(tiny_model, estima
 def test_micro_batches_with_anchors_give_the_full_batch_gradient(tiny_model):
     """Task rows and anchor rows are two token means with their own weight: each micro-batch
     uses the whole batch's denominators, so the micro-batch losses still sum to the loss."""
-    with torch.no_grad():
-        tiny_model.get_input_embeddings().weight.mul_(50.0)
-    model = attach_lora(tiny_model, rank=4)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
+    model = _sharp_lora(tiny_model)
     samples = _samples("sdft")
     for s in samples[3:]:  # rows 3 and 4: anchors, the teacher reads the student's prompt
         s.anchor, s.teacher_prompt = True, s.prompt
