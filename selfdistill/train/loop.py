@@ -487,6 +487,22 @@ def make_teacher_regime(cfg: TrainConfig, tokenizer: Any) -> Any:
     return make_regime(cfg.teacher.regime, rate=cfg.teacher.rate)
 
 
+def warm_prompt_cache(cfg: TrainConfig, regime: Any, model: Any, tokenizer: Any,
+                      rows: list[Row], anchors: list[Row]) -> PromptCache | None:
+    """The frozen teacher's cache of the prompts known before training (None when the regime
+    is not frozen, the cache is off or no prompt is fixed). Deterministic: the same rows give
+    bit-identical entries, which `traces replay` relies on to recompute a step exactly."""
+    if not (regime.frozen and cfg.teacher.prompt_cache_mb):
+        return None
+    prompts = fixed_teacher_prompts(cfg, tokenizer, rows, anchors)
+    if not prompts:
+        return None
+    cache = PromptCache(cfg.teacher.prompt_cache_mb * 2**20)
+    with precision(cfg, model):
+        cache.warm(regime, model, prompts, tokenizer.pad_token_id)
+    return cache
+
+
 def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[Row],
                       anchors: list[Row] = (), *, dist: Any = SINGLE,
                       train_model: Any = None, sampler: Any = None) -> StepContext:
@@ -502,13 +518,7 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
 
         def graders(row: Row) -> Any:
             return make_env(row, reveal=reveal)
-    cache = None
-    if regime.frozen and cfg.teacher.prompt_cache_mb:
-        prompts = fixed_teacher_prompts(cfg, tokenizer, rows, list(anchors))
-        if prompts:
-            cache = PromptCache(cfg.teacher.prompt_cache_mb * 2**20)
-            with precision(cfg, model):
-                cache.warm(regime, model, prompts, tokenizer.pad_token_id)
+    cache = warm_prompt_cache(cfg, regime, model, tokenizer, rows, list(anchors))
     return StepContext(model, tokenizer, regime, optimizer, scheduler, rows, list(anchors),
                        graders, sampler=sampler or HFSampler(
                            model, tokenizer, fold_lora=cfg.rollout.fold_lora), dist=dist,
@@ -516,4 +526,5 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
 
 
 __all__ = ["ROLLOUT_METHODS", "StepContext", "batch_indices", "build_model", "make_step_context",
-           "make_teacher_regime", "seed_everything", "train_step", "update_loss"]
+           "make_teacher_regime", "seed_everything", "train_step", "update_loss",
+           "warm_prompt_cache"]

@@ -37,6 +37,7 @@ from selfdistill.train.loop import (
     score_batch,
     share_prefix,
     update_loss,
+    warm_prompt_cache,
 )
 from selfdistill.train.methods import Sample
 from selfdistill.train.traces import weights_sha256
@@ -127,13 +128,32 @@ def replay_step(store: TraceStore, run_id: str, step: int, *,
         load_weights_into(model, ckpt / "weights")
         regime.load_state_dict(load_state(ckpt)["regime"])
     samples = _samples(cfg, tok, batch["attempts"])
+    cache, note = _prompt_cache(cfg, regime, model, tok)
     with precision(cfg, model):
         ctx_rows, teacher_logits, sb = score_batch(regime, model, samples, tok.pad_token_id,
                                                    PhaseTimer(),
-                                                   share_prefix=share_prefix(cfg, model, model))
+                                                   share_prefix=share_prefix(cfg, model, model),
+                                                   prompt_cache=cache)
         with torch.no_grad():
             loss, _ = update_loss(cfg, model, samples, sb, teacher_logits, ctx_rows, update=0)
     replayed = loss.item()
     return {"run_id": run_id, "step": step, "checkpoint": "base" if ckpt is None else str(ckpt),
             "logged_loss": logged, "replayed_loss": replayed, "abs_diff": abs(replayed - logged),
-            "match": math.isclose(replayed, logged, rel_tol=REL_TOL, abs_tol=1e-9)}
+            "match": math.isclose(replayed, logged, rel_tol=REL_TOL, abs_tol=1e-9),
+            **({"note": note} if note else {})}
+
+
+def _prompt_cache(cfg: TrainConfig, regime: Any, model: Any, tok: Any) -> tuple[Any, str]:
+    """The frozen teacher's prompt cache as the run built it (from the run's training rows and
+    anchors: the cached path rounds differently from a plain forward, visibly so in bfloat16),
+    and a note when those files cannot be read any more (replay then runs without the cache)."""
+    if not (regime.frozen and cfg.teacher.prompt_cache_mb):
+        return None, ""
+    from selfdistill.train.run import load_datasets  # run imports the trainer; so do we
+
+    try:
+        rows, _, anchors = load_datasets(cfg)
+    except UserError as exc:
+        return None, (f"the run's data could not be read ({exc}); replayed without the "
+                      "teacher's prompt cache, so rounding may differ from the run")
+    return warm_prompt_cache(cfg, regime, model, tok, rows, anchors), ""
