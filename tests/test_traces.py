@@ -5,6 +5,7 @@ code SDPO example (1 step) with its test-based evaluation."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,25 @@ def test_replay_with_anchors_and_bfloat16_matches(tiny_dir, tmp_path, capsys):
     assert main(["traces", "replay", str(out), "--step", "2"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["match"] is True, result
+
+
+def test_replay_without_the_runs_data_says_it_ran_without_the_prompt_cache(tiny_dir, tmp_path,
+                                                                           capsys):
+    """The frozen teacher's prompt cache is rebuilt from the run's training rows; when that file
+    is gone, replay still runs (plain teacher forward, float32 here: within tolerance) and its
+    result says why rounding may differ."""
+    data = tmp_path / "train.jsonl"
+    shutil.copy(KNOWLEDGE / "train.jsonl", data)
+    out = tmp_path / "run"
+    run_training(tiny_cfg(tiny_dir, out, "steps=2", "batch_size=2", "checkpoint_every=1",
+                          f"train_data={data}"), progress=False)
+    assert main(["traces", "replay", str(out), "--step", "2"]) == 0
+    assert "note" not in json.loads(capsys.readouterr().out)
+    data.unlink()
+    assert main(["traces", "replay", str(out), "--step", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["match"] is True, result
+    assert "could not be read" in result["note"] and "prompt cache" in result["note"]
 
 
 def test_export_gives_one_line_per_attempt(sdft_run, tmp_path):
