@@ -219,3 +219,29 @@ def test_folded_lora_generation_is_the_same_function_and_restores_the_model(toke
             assert torch.equal(model(input_ids=ids).logits, base_logits)
     # the adapter changes the function, so "same tokens" above compared something real
     assert not torch.allclose(base_logits, logits_before, atol=1e-3)
+
+
+def test_the_static_decode_cache_gives_what_the_dynamic_cache_gives(tiny_model, tokenizer,
+                                                                  monkeypatch):
+    """`decode_cache` (preallocated keys/values, shared prefix copied into every row) decodes
+    the tokens and log-probs of HF's growing DynamicCache, rows of unequal length included."""
+    from transformers import StaticCache
+
+    from selfdistill.chat import prompt_ids
+    from selfdistill.rollout import hf
+
+    system = {"role": "system", "content": "You are a careful assistant. Answer briefly."}
+    prompts = [prompt_ids(tokenizer, [system, {"role": "user", "content": q}])
+               for q in ["Name a prime.", "Why is the sky blue, in one short sentence?"]]
+    assert len(prompts[0]) != len(prompts[1])  # the shorter row is padded after the prefix
+    prompts.append([1, 504, 3458])  # no shared prefix with the others: a batch of its own
+    seeds = [sample_seed(5, 0, 0, i) for i in range(3)]
+    kw = {"max_new_tokens": 10, "temperature": 1.0, "seeds": seeds, "batch_size": 2}
+    ids = torch.tensor([prompts[0][:4]] * 2)
+    assert isinstance(hf.decode_cache(tiny_model, ids, 3, 10), StaticCache)
+    static = generate(tiny_model, tokenizer, prompts, **kw)
+    monkeypatch.setattr(hf, "decode_cache", lambda *a: None)
+    dynamic = generate(tiny_model, tokenizer, prompts, **kw)
+    for s, d in zip(static, dynamic, strict=True):
+        assert s[0].token_ids == d[0].token_ids
+        assert s[0].logprobs == pytest.approx(d[0].logprobs, abs=1e-5)
