@@ -62,10 +62,12 @@ from common import (
     MIB,
     RESULTS,
     ROOT,
+    add_omp_option,
     available_bytes,
     cpu_name,
     current_rss_bytes,
     loadavg,
+    omp_env,
     peak_rss_bytes,
     ratio,
 )
@@ -108,9 +110,7 @@ def run_worker(cfg: dict) -> dict:
 
 
 def _spawn(cfg: dict) -> dict:
-    env = dict(os.environ)
-    if cfg["omp_wait_policy"] != "default":
-        env["OMP_WAIT_POLICY"] = cfg["omp_wait_policy"].upper()
+    env = {**os.environ, **omp_env(cfg["omp_wait_policy"])}
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(cfg)],
         capture_output=True,
@@ -262,12 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         help="run a plain configuration only if inputs + extrapolated extra memory stay below "
         "this fraction of MemAvailable (the machine is shared)",
     )
-    parser.add_argument(
-        "--omp-wait-policy",
-        choices=("passive", "active", "default"),
-        default="passive",
-        help="OMP_WAIT_POLICY for the workers (default: leave the environment as it is)",
-    )
+    add_omp_option(parser, "passive")
     parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the table and plot go")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

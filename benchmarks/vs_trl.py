@@ -35,11 +35,13 @@ from typing import Any
 from common import (
     MIB,
     ROOT,
+    add_omp_option,
     base_parser,
     default_model_path,
     header,
     loadavg,
     md_table,
+    omp_env,
     publish,
     pyplot,
     ratio,
@@ -62,7 +64,7 @@ def side_settings(s: Settings, side: str) -> Settings:
     return replace(s, micro_batch_size=None, chunk_size=None, gradient_checkpointing=False)
 
 
-def measure(s: Settings, rounds: int, sides: list[str]) -> dict[str, Any]:
+def measure(s: Settings, rounds: int, sides: list[str], env: dict[str, str]) -> dict[str, Any]:
     """Alternating rounds (A B C / C B A / ...), one fresh process per side and round."""
     out: dict[str, Any] = {side: {"steps": [], "rss_peak": 0, "rss_loaded": 0, "errors": []}
                            for side in sides}
@@ -70,7 +72,7 @@ def measure(s: Settings, rounds: int, sides: list[str]) -> dict[str, Any]:
         for side in sides if i % 2 == 0 else sides[::-1]:
             print(f"round {i + 1}/{rounds}: {side} (load {loadavg()})", file=sys.stderr,
                   flush=True)
-            res = spawn(__file__, {"side": side, **asdict(side_settings(s, side))})
+            res = spawn(__file__, {"side": side, **asdict(side_settings(s, side))}, env=env)
             acc = out[side]
             if "error" in res:
                 acc["errors"].append(res["error"])
@@ -97,15 +99,16 @@ def side_stats(acc: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any],
-           errors: dict[str, list[str]], load: tuple[str, str]) -> str:
+           errors: dict[str, list[str]], load: tuple[str, str], omp: str) -> str:
     eq, rg = check.get("equal_lengths", {}), check.get("ragged", {})
     settings = (
         f"Model `{Path(s.model).name}`, {s.batch_size} prompts/step x 1 completion, max "
         f"{s.max_new_tokens} new tokens, temperature 1, LoRA r={s.lora_rank} alpha="
         f"{s.lora_alpha:g} all-linear, top-k {s.topk} + tail, alpha {s.alpha}, frozen-base "
         f"teacher, lr {s.learning_rate:g} constant, seed {s.seed}, {s.threads} torch threads, "
-        f"CPU, float32. ours: {'LoRA-folded' if s.fold_lora else 'PEFT-layer'} decoding "
-        "(rollout.fold_lora). ours_lean (when present): micro_batch_size="
+        f"CPU, float32, OpenMP wait policy {omp}. ours: "
+        f"{'LoRA-folded' if s.fold_lora else 'PEFT-layer'} decoding (rollout.fold_lora). "
+        "ours_lean (when present): micro_batch_size="
         f"{s.micro_batch_size}, chunk_size={s.chunk_size}, gradient_checkpointing="
         f"{s.gradient_checkpointing}. {rounds} round(s) (A B C, C B A, ...), each side a fresh "
         "process: "
@@ -199,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-check", action="store_true", help="skip the same-loss check")
     ap.add_argument("--sides", nargs="+", choices=[*SIDES, "ours_lean"],
                     help="run only these sides (e.g. re-measure one side's memory)")
+    add_omp_option(ap, "default")
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
     if args.quick:
@@ -222,17 +226,18 @@ def main(argv: list[str] | None = None) -> None:
         acc = {side: {"steps": [], "rss_peak": 0, "rss_loaded": 0, "errors": []}
                for side in sides}
     else:
-        acc = measure(s, args.rounds, sides)
+        acc = measure(s, args.rounds, sides, omp_env(args.omp_wait_policy))
     stats = {side: side_stats(acc[side]) for side in sides}
     suffix = "_quick" if args.quick else ("_check" if args.check_only else "")
     if lean:
         suffix += f"_mb{args.micro_batch_size}_chunk{args.chunk_size}"
         suffix += "_ckpt" if args.gradient_checkpointing else ""
     suffix += "_nofold" if args.no_fold else ""
+    suffix += "" if args.omp_wait_policy == "default" else f"_omp-{args.omp_wait_policy}"
     if args.sides:
         suffix += "_" + "_".join(args.sides)
     text = render(s, args.rounds, check, stats, {k: v["errors"] for k, v in acc.items()},
-                  (start, loadavg()))
+                  (start, loadavg()), args.omp_wait_policy)
     publish(args.out_dir, f"vs_trl{suffix}", text,
             {"settings": asdict(s), "check": check, "stats": stats, "raw": acc},
             lambda path: plot(stats, path))
