@@ -245,3 +245,29 @@ def test_the_static_decode_cache_gives_what_the_dynamic_cache_gives(tiny_model, 
     for s, d in zip(static, dynamic, strict=True):
         assert s[0].token_ids == d[0].token_ids
         assert s[0].logprobs == pytest.approx(d[0].logprobs, abs=1e-5)
+
+
+def test_folded_weights_are_stored_in_the_autocast_dtype_with_the_same_result(tokenizer,
+                                                                            monkeypatch):
+    """Under bf16 autocast the folded W' and the output head are kept in bf16 (autocast would
+    round them to bf16 at every matmul anyway): bit-identical tokens and log-probs to casting
+    at every step; afterwards the float32 weights are back and a tied head is tied again."""
+    from selfdistill.rollout import hf
+
+    model = _tiny_lora(seed=1)
+    prompts = [[1, 504, 3458], [1, 2000, 17, 99, 5]]
+    kw = {"max_new_tokens": 10, "temperature": 1.0, "seeds": [11, 12]}
+    seen: list[torch.dtype] = []
+    layer = next(m for m in model.modules() if hasattr(m, "lora_A")).get_base_layer()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    head.weight = embed.weight  # tied, as in the default model
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with hf.folded_lora(model):
+            seen += [layer.weight.dtype, head.weight.dtype, embed.weight.dtype]
+        cast = generate(model, tokenizer, prompts, **kw)
+        monkeypatch.setattr(hf, "_autocast_dtype", lambda device_type: None)
+        plain = generate(model, tokenizer, prompts, **kw)
+    assert seen == [torch.bfloat16, torch.bfloat16, torch.float32]
+    assert layer.weight.dtype == torch.float32 and head.weight is embed.weight
+    assert [g[0].token_ids for g in cast] == [g[0].token_ids for g in plain]
+    assert [g[0].logprobs for g in cast] == [g[0].logprobs for g in plain]

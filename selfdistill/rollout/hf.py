@@ -151,6 +151,11 @@ def folded_lora(model: Any) -> Iterator[bool]:
     fewer kernel calls when a step's work is small (CPU decoding). W' is a temporary copy (one
     extra copy of the adapted weights while the block runs); the original W tensors are put
     back untouched on exit, so base weights never drift the way merge/unmerge would make them.
+    Under autocast (e.g. `precision=bfloat16`) W' is stored in autocast's dtype: autocast would
+    round it to that dtype anyway, but without a cast cache under no_grad it does so at every
+    decode step (reading the float32 weights and writing a bf16 copy per layer per token: bf16
+    decoding measured 1.6x slower than float32 on an AVX512-BF16 Xeon); the copy is then
+    half the size too. Other linear layers (the output head) get a cast copy for the block.
     No-op (yields False) for a model that is not PEFT, an adapter already merged or disabled,
     or a layer kind PEFT cannot give a plain delta for (DoRA).
     """
@@ -158,7 +163,9 @@ def folded_lora(model: Any) -> Iterator[bool]:
     if not layers:
         yield False
         return
+    cast = _autocast_dtype(layers[0].get_base_layer().weight.device.type)
     swapped: list[tuple[Any, torch.Tensor]] = []
+    retied: list[tuple[Any, torch.nn.Parameter]] = []
     try:
         with torch.no_grad():
             for layer in layers:
@@ -166,12 +173,31 @@ def folded_lora(model: Any) -> Iterator[bool]:
                 delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters
                             if a in layer.lora_A)
                 swapped.append((base, base.weight.data))
-                base.weight.data = base.weight.data + delta.to(base.weight.dtype)
+                folded = base.weight.data + delta.to(base.weight.dtype)
+                base.weight.data = folded if cast is None else folded.to(cast)
+            adapted = {id(layer.get_base_layer()) for layer in layers}
+            for module in model.modules() if cast is not None else ():
+                if (type(module) is torch.nn.Linear and id(module) not in adapted
+                        and module.weight.dtype != cast):  # the output head, typically
+                    # a module attribute, not `.data`: the head may share its Parameter with
+                    # the input embedding, which must stay in its own dtype
+                    retied.append((module, module.weight))
+                    module.weight = torch.nn.Parameter(module.weight.to(cast),
+                                                       requires_grad=False)
         with teacher_mode(model), model.disable_adapter():
             yield True
     finally:
         for base, weight in swapped:
             base.weight.data = weight
+        for module, param in retied:
+            module.weight = param
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs linear layers in on `device_type`, or None when it is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def _lora_layers(model: Any) -> list[Any]:
