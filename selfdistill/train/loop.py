@@ -487,12 +487,17 @@ def make_teacher_regime(cfg: TrainConfig, tokenizer: Any) -> Any:
     return make_regime(cfg.teacher.regime, rate=cfg.teacher.rate)
 
 
+def uses_prompt_cache(cfg: TrainConfig, regime: Any) -> bool:
+    """Whether the teacher reads prompts from a prompt cache: a frozen regime, cache not off."""
+    return bool(regime.frozen and cfg.teacher.prompt_cache_mb)
+
+
 def warm_prompt_cache(cfg: TrainConfig, regime: Any, model: Any, tokenizer: Any,
                       rows: list[Row], anchors: list[Row]) -> PromptCache | None:
     """The frozen teacher's cache of the prompts known before training (None when the regime
     is not frozen, the cache is off or no prompt is fixed). Deterministic: the same rows give
     bit-identical entries, which `traces replay` relies on to recompute a step exactly."""
-    if not (regime.frozen and cfg.teacher.prompt_cache_mb):
+    if not uses_prompt_cache(cfg, regime):
         return None
     prompts = fixed_teacher_prompts(cfg, tokenizer, rows, anchors)
     if not prompts:
@@ -527,4 +532,4 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
 
 __all__ = ["ROLLOUT_METHODS", "StepContext", "batch_indices", "build_model", "make_step_context",
            "make_teacher_regime", "seed_everything", "train_step", "update_loss",
-           "warm_prompt_cache"]
+           "uses_prompt_cache", "warm_prompt_cache"]

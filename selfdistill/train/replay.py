@@ -37,6 +37,7 @@ from selfdistill.train.loop import (
     score_batch,
     share_prefix,
     update_loss,
+    uses_prompt_cache,
     warm_prompt_cache,
 )
 from selfdistill.train.methods import Sample
@@ -147,7 +148,7 @@ def _prompt_cache(cfg: TrainConfig, regime: Any, model: Any, tok: Any) -> tuple[
     """The frozen teacher's prompt cache as the run built it (from the run's training rows and
     anchors: the cached path rounds differently from a plain forward, visibly so in bfloat16),
     and a note when those files cannot be read any more (replay then runs without the cache)."""
-    if not (regime.frozen and cfg.teacher.prompt_cache_mb):
+    if not uses_prompt_cache(cfg, regime):
         return None, ""
     from selfdistill.train.run import load_datasets  # run imports the trainer; so do we
 
