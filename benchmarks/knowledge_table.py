@@ -11,18 +11,22 @@ they do not depend on the seed.
 
 Learning rates (``--lr ARM=VALUE`` to change one): SDFT 3.5e-3 is the knowledge recipe's, tuned
 on this set (README "Results of the main job"); SFT and CPT default to 3e-3 unless
-``--tune`` is given, which first runs every trained arm with each of ``--tune-lrs`` on the first
-seed and keeps the best training-question accuracy (ties: paraphrases, then probes).
+``--tune`` is given, which first runs every trained arm at its learning rate times each of
+``--tune-factors`` (0.5 1 2) on the first seed and keeps the best training-question accuracy
+(ties: paraphrases, then probes); the chosen run is that seed's row, not run again.
 
     .venv/bin/python benchmarks/knowledge_table.py                     # CPU default (~15 min
                                                                        # on an idle 2-core box)
     .venv/bin/python benchmarks/knowledge_table.py --seeds 0 1 2 --steps 20 --tune   # the table
+    .venv/bin/python benchmarks/knowledge_table.py --seeds 2 --steps 20 \
+        --merge benchmarks/results/knowledge_table.json              # add a seed to a table
     .venv/bin/python benchmarks/knowledge_table.py --quick             # CI smoke: tiny model
 Results: benchmarks/results/knowledge_table{_quick}.md / .json / .png.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import tempfile
@@ -69,39 +73,88 @@ def accuracies(evals: dict[str, Any]) -> dict[str, float]:
     return {s: evals[s]["accuracy"] for s in SUITES if s in evals}
 
 
-def run_table(arms: list[str], seeds: list[int], lrs: dict[str, float], common: list[str],
-              work: Path) -> dict[str, Any]:
-    """Every arm x seed; Base and Oracle from the first job's "before" and "oracle"."""
-    out: dict[str, Any] = {"runs": {}, "base": None, "oracle": None}
-    for arm in arms:
-        for seed in seeds:
-            print(f"{arm} seed {seed} lr {lrs[arm]:g} (load {loadavg()})", file=sys.stderr,
-                  flush=True)
-            oracle = "eval.oracle=true" if out["oracle"] is None else "eval.oracle=false"
-            summary = run_arm([*ARMS[arm], *common, f"seed={seed}",
-                               f"learning_rate={lrs[arm]}", oracle],
-                              work / f"{_slug(arm)}-{seed}-{lrs[arm]:g}")
-            out["runs"].setdefault(arm, []).append(accuracies(summary["after"]))
-            if out["base"] is None:
-                out["base"] = accuracies(summary["before"])
-            if out["oracle"] is None:
-                out["oracle"] = accuracies(summary["oracle"])
-    return out
+class Jobs:
+    """The table's training jobs, each (arm, seed, lr) run at most once, so the learning-rate
+    search's runs on the first seed are the table's runs there. Base and Oracle come from the
+    first job's "before" and "oracle" evaluations (greedy: they do not depend on the seed)."""
+
+    def __init__(self, common: list[str], work: Path):
+        self.common, self.work = common, work
+        self.done: dict[tuple[str, int, float], dict[str, float]] = {}
+        self.base: dict[str, float] | None = None
+        self.oracle: dict[str, float] | None = None
+        self.precision: str | None = None
+
+    def __call__(self, arm: str, seed: int, lr: float) -> dict[str, float]:
+        """Accuracies after training ``arm`` with ``seed`` and learning rate ``lr``."""
+        key = (arm, seed, lr)
+        if key not in self.done:
+            print(f"{arm} seed {seed} lr {lr:g} (load {loadavg()})", file=sys.stderr, flush=True)
+            oracle = "eval.oracle=true" if self.oracle is None else "eval.oracle=false"
+            summary = run_arm([*ARMS[arm], *self.common, f"seed={seed}", f"learning_rate={lr}",
+                               oracle], self.work / f"{_slug(arm)}-{seed}-{lr:g}")
+            self.done[key] = accuracies(summary["after"])
+            if self.base is None:
+                self.base = accuracies(summary["before"])
+            if self.oracle is None:
+                self.oracle = accuracies(summary["oracle"])
+            self.precision = summary["precision"]
+        return self.done[key]
 
 
-def tune(arms: list[str], lrs: list[float], seed: int, common: list[str], work: Path
+def run_table(jobs: Jobs, arms: list[str], seeds: list[int], lrs: dict[str, float]
+              ) -> dict[str, Any]:
+    """Every arm x seed at the arm's learning rate."""
+    runs = {arm: [jobs(arm, seed, lrs[arm]) for seed in seeds] for arm in arms}
+    return {"runs": runs, "base": jobs.base, "oracle": jobs.oracle, "precision": jobs.precision}
+
+
+def planned_precision() -> str:
+    """The precision the knowledge recipe resolves to on this machine's CPU."""
+    import torch
+
+    from selfdistill.train.config import load_config
+    from selfdistill.train.loop import resolve_precision
+
+    cfg = load_config(ROOT / "examples" / "knowledge.yaml", [])
+    return resolve_precision(cfg.precision, torch.device("cpu"))
+
+
+def check_mergeable(earlier: dict[str, Any], planned: dict[str, Any], source: Path) -> None:
+    """Raise ValueError naming what differs unless ``planned`` (steps, lrs, arms, seeds,
+    precision) is the same experiment as the earlier table with new seeds. An earlier table
+    written before "precision" was recorded is taken at its word."""
+    keys = ["steps", "lrs"] + (["precision"] if "precision" in earlier else [])
+    diffs = [f"{key}: {earlier.get(key)!r} there, {planned[key]!r} here"
+             for key in keys if earlier.get(key) != planned[key]]
+    if set(earlier["runs"]) != set(planned["arms"]):
+        diffs.append(f"arms: {sorted(earlier['runs'])} there, {sorted(planned['arms'])} here")
+    if overlap := set(earlier["seeds"]) & set(planned["seeds"]):
+        diffs.append(f"seeds {sorted(overlap)} are in both")
+    if diffs:
+        raise ValueError(f"--merge {source}: not the same experiment ({'; '.join(diffs)}); "
+                         "run the same --steps, --arms and --lr, on a machine of the same "
+                         "precision, with new --seeds")
+
+
+def merge(earlier: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """``res`` with the earlier table's seeds and runs in front (``check_mergeable`` first)."""
+    seeds = [*earlier["seeds"], *res["seeds"]]
+    runs = {arm: [*earlier["runs"][arm], *res["runs"][arm]] for arm in earlier["runs"]}
+    return {**res, "runs": runs, "seeds": seeds, "n_seeds": len(seeds),
+            "tuning": earlier.get("tuning") or res.get("tuning")}
+
+
+def tune(jobs: Jobs, arms: list[str], lrs: dict[str, float], factors: list[float], seed: int
          ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Best learning rate per arm on one seed: training accuracy, then paraphrases, probes."""
+    """Each arm's best learning rate among ``lrs[arm] x factors`` on one seed: highest
+    training-question accuracy, ties broken by paraphrases, then probes."""
     best: dict[str, float] = {}
     tried: dict[str, Any] = {}
     for arm in arms:
-        scores = {}
-        for lr in lrs:
-            res = run_table([arm], [seed], {arm: lr}, common, work / "tune")
-            acc = res["runs"][arm][0]
-            scores[lr] = acc
-        best[arm] = max(lrs, key=lambda lr: tuple(scores[lr].get(s, 0.0) for s in SUITES))
-        tried[arm] = {str(lr): acc for lr, acc in scores.items()}
+        scores = {lr: jobs(arm, seed, lr) for lr in sorted({lrs[arm] * f for f in factors})}
+        best[arm] = max(scores, key=lambda lr: tuple(scores[lr].get(s, 0.0) for s in SUITES))
+        tried[arm] = {f"{lr:g}": acc for lr, acc in scores.items()}
     return best, tried
 
 
@@ -135,8 +188,13 @@ def render(res: dict[str, Any], settings: str, load: tuple[str, str]) -> str:
         lines += ["", "Targets (SDFT with the frozen-base teacher): " + "; ".join(
             f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks) + "."]
     if res.get("tuning"):
-        lines += ["", f"Learning-rate search (seed {res['seeds'][0]}, accuracies after "
-                  f"training): {res['tuning']}"]
+        rows = [[arm, lr + (" (chosen)" if float(lr) == res["lrs"].get(arm) else ""),
+                 *(f"{100 * acc[s]:.1f}" if s in acc else "—" for s in SUITES)]
+                for arm, tried in res["tuning"].items() for lr, acc in tried.items()]
+        lines += ["", f"Learning-rate search on seed {res['seeds'][0]} (accuracies after "
+                  "training; the chosen run is that seed's row above):", "",
+                  md_table(["method", "lr", "training questions (%)", "paraphrases (%)",
+                            "forgetting probes (%)"], rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -172,8 +230,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--lr", action="append", default=[], metavar="ARM=VALUE")
     ap.add_argument("--tune", action="store_true", help="pick each arm's lr on the first seed")
-    ap.add_argument("--tune-lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    ap.add_argument("--tune-factors", type=float, nargs="+", default=[0.5, 1.0, 2.0],
+                    help="--tune tries each arm's lr times each of these")
+    ap.add_argument("--merge", type=Path, metavar="JSON",
+                    help="add these seeds to an earlier result of the same settings")
     args = ap.parse_args(argv)
+    if args.quick:  # one step of the first seed given
+        args.steps, args.seeds = 1, args.seeds[:1]
+    earlier = None
+    if args.merge:
+        if args.tune:
+            ap.error("--merge and --tune: the merged table keeps the earlier learning rates")
+        try:
+            earlier = json.loads(args.merge.read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"--merge {args.merge}: cannot read a result JSON ({exc})")
     lrs = dict(DEFAULT_LR)
     for item in args.lr:
         arm, _, value = item.partition("=")
@@ -181,23 +252,33 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--lr {item}: unknown arm {arm!r}; arms: {', '.join(ARMS)}")
         lrs[arm] = float(value)
     common = [f"steps={args.steps}", f"threads={args.threads}"]
+    if earlier is not None:
+        planned = {"steps": args.steps, "lrs": lrs, "arms": args.arms, "seeds": args.seeds,
+                   "precision": planned_precision()}
+        try:
+            check_mergeable(earlier, planned, args.merge)
+        except ValueError as exc:
+            ap.error(str(exc))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.quick:
-            args.steps, args.seeds = 1, [0]
             common = ["steps=1", "batch_size=2", "max_new_tokens=4", "eval.max_new_tokens=4",
                       f"model={tiny_model_dir(work / 'tiny')}", f"threads={args.threads}"]
         start = loadavg()
-        tuning = None
+        jobs, tuning = Jobs(common, work), None
         if args.tune:
-            best, tuning = tune(args.arms, args.tune_lrs, args.seeds[0], common, work)
+            best, tuning = tune(jobs, args.arms, lrs, args.tune_factors, args.seeds[0])
             lrs.update(best)
-        res = run_table(args.arms, args.seeds, lrs, common, work)
+        res = run_table(jobs, args.arms, args.seeds, lrs)
     res.update(lrs=lrs, seeds=args.seeds, n_seeds=len(args.seeds), steps=args.steps,
                tuning=tuning)
+    if earlier is not None:
+        res = merge(earlier, res)
     settings = (f"examples/knowledge.yaml (16 facts, 16 prompts/step, LoRA r=16, forward KL "
                 f"for SDFT) with {args.steps} optimizer steps x 2 updates per batch for every "
-                f"method; seeds {args.seeds}; {args.threads} torch threads, CPU."
+                f"method; seeds {res['seeds']}"
+                + (f" (seeds {earlier['seeds']} from {args.merge.name})" if earlier else "")
+                + f"; {args.threads} torch threads, CPU."
                 + (" Quick smoke run on a tiny random model: the numbers mean nothing."
                    if args.quick else ""))
     text = render(res, settings, (start, loadavg()))

@@ -78,6 +78,21 @@ def test_knowledge_table_quick_runs_every_arm(tmp_path):
                 "| SDFT (base teacher) |", "| SDFT (EMA teacher) |"):
         assert arm in table
     assert (tmp_path / "knowledge_table_quick.png").stat().st_size > 0
+    # a later seed is merged into the earlier table; the same seed again is refused up front
+    first = tmp_path / "seed0.json"
+    (tmp_path / "knowledge_table_quick.json").rename(first)
+    _run("knowledge_table.py", tmp_path, "--quick", "--seeds", "1", "--merge", str(first))
+    data = json.loads((tmp_path / "knowledge_table_quick.json").read_text())
+    assert data["seeds"] == [0, 1] and data["n_seeds"] == 2
+    assert all(len(runs) == 2 for runs in data["runs"].values())
+    assert data["runs"]["SFT"][0] == json.loads(first.read_text())["runs"]["SFT"][0]
+    assert "over 2 seed(s)" in (tmp_path / "knowledge_table_quick.md").read_text()
+    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "knowledge_table.py"),
+                            "--quick", "--seeds", "0", "--merge", str(first), "--out-dir",
+                            str(tmp_path)], capture_output=True, text=True, timeout=300,
+                           cwd=ROOT)
+    assert again.returncode == 2 and "seeds [0] are in both" in again.stderr
+    assert "Traceback" not in again.stderr
 
 
 @pytest.mark.slow
