@@ -43,6 +43,9 @@ class Settings:
     chunk_size: int | None = None  # ours only
     gradient_checkpointing: bool = False  # ours only
     fold_lora: bool = True  # ours only: decode through LoRA-folded weights (rollout.fold_lora)
+    # "bfloat16": bf16 autocast on both sides (ours precision=bfloat16, TRL bf16=True); weights,
+    # gradients and optimizer state stay float32 on both
+    precision: str = "float32"
 
 
 def _setup(s: Settings) -> None:
@@ -63,7 +66,8 @@ def our_config(s: Settings) -> Any:
                        learning_rate=s.learning_rate, threads=s.threads, trace_store=None,
                        probe_data=None, lora={"rank": s.lora_rank, "alpha": s.lora_alpha},
                        teacher={"regime": "base"}, loss=loss, rollout={"fold_lora": s.fold_lora},
-                       gradient_checkpointing=s.gradient_checkpointing, **extra)
+                       gradient_checkpointing=s.gradient_checkpointing,
+                       precision=s.precision, **extra)
 
 
 def run_ours(s: Settings) -> dict[str, Any]:
@@ -105,7 +109,8 @@ def trl_trainer(s: Settings, model: Any, tok: Any, rows: list[Any], out_dir: str
         output_dir=out_dir, per_device_train_batch_size=s.batch_size, num_generations=1,
         max_completion_length=s.max_new_tokens, temperature=1.0, learning_rate=s.learning_rate,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        max_steps=s.warmup + s.steps, seed=s.seed, use_cpu=True, bf16=False,
+        max_steps=s.warmup + s.steps, seed=s.seed, use_cpu=True,
+        bf16=s.precision == "bfloat16",
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, distillation_mode="topk_logits", distillation_topk=s.topk,
         distillation_add_tail=True, distillation_alpha=s.alpha, teacher_model_kind="base",
@@ -160,6 +165,10 @@ def run_trl(s: Settings) -> dict[str, Any]:
     clock = _PhaseClock()
     with tempfile.TemporaryDirectory() as out:
         trainer = trl_trainer(s, lm.model, lm.tokenizer, rows, out)
+        want = "bf16" if s.precision == "bfloat16" else "no"
+        if trainer.accelerator.mixed_precision != want:  # the comparison would not be same-work
+            raise RuntimeError(f"TRL runs mixed precision {trainer.accelerator.mixed_precision!r}"
+                               f", expected {want!r} for precision={s.precision}")
         gen = trainer._generate
 
         def generate(ids: Any) -> Any:

@@ -19,6 +19,7 @@ differs a little (completion lengths); tokens/s accounts for that.
     .venv/bin/python benchmarks/vs_trl.py                    # default: 2 rounds x 3 steps
     .venv/bin/python benchmarks/vs_trl.py --rounds 4 --steps 5
     .venv/bin/python benchmarks/vs_trl.py --micro-batch-size 2 --chunk-size 64   # + ours_lean
+    .venv/bin/python benchmarks/vs_trl.py --precision bfloat16   # bf16 autocast, both sides
     .venv/bin/python benchmarks/vs_trl.py --quick            # CI smoke: tiny random model
 Results: benchmarks/results/vs_trl{suffix}.md / .json / .png.
 """
@@ -58,9 +59,12 @@ SIDES = ("ours", "trl")  # plus "ours_lean" (micro-batches / chunked loss) when 
 
 
 def side_settings(s: Settings, side: str) -> Settings:
-    """Plain "ours" and TRL run without our memory options; "ours_lean" with them."""
+    """Plain "ours" and TRL run without our memory options; "ours_lean" with them. The
+    same-loss check compares the two loss functions in float32 whatever ``--precision``."""
     if side == "ours_lean":
         return s
+    if side == "check":
+        s = replace(s, precision="float32")
     return replace(s, micro_batch_size=None, chunk_size=None, gradient_checkpointing=False)
 
 
@@ -106,7 +110,8 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
         f"{s.max_new_tokens} new tokens, temperature 1, LoRA r={s.lora_rank} alpha="
         f"{s.lora_alpha:g} all-linear, top-k {s.topk} + tail, alpha {s.alpha}, frozen-base "
         f"teacher, lr {s.learning_rate:g} constant, seed {s.seed}, {s.threads} torch threads, "
-        f"CPU, float32, OpenMP wait policy {omp}. ours: "
+        f"CPU, {'bf16 autocast on both sides' if s.precision == 'bfloat16' else 'float32'}, "
+        f"OpenMP wait policy {omp}. ours: "
         f"{'LoRA-folded' if s.fold_lora else 'PEFT-layer'} decoding (rollout.fold_lora). "
         "ours_lean (when present): micro_batch_size="
         f"{s.micro_batch_size}, chunk_size={s.chunk_size}, gradient_checkpointing="
@@ -202,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-check", action="store_true", help="skip the same-loss check")
     ap.add_argument("--sides", nargs="+", choices=[*SIDES, "ours_lean"],
                     help="run only these sides (e.g. re-measure one side's memory)")
+    ap.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                    help="both sides: bfloat16 = autocast (ours precision=bfloat16, TRL bf16=True)")
     add_omp_option(ap, "default")
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
@@ -214,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
                  threads=args.threads, steps=args.steps, warmup=args.warmup,
                  micro_batch_size=args.micro_batch_size, chunk_size=args.chunk_size,
                  gradient_checkpointing=args.gradient_checkpointing, fold_lora=not args.no_fold,
-                 max_new_tokens=16 if args.quick else 64)
+                 max_new_tokens=16 if args.quick else 64, precision=args.precision)
     lean = args.micro_batch_size or args.chunk_size or args.gradient_checkpointing
     sides = [*SIDES, "ours_lean"] if lean else [*SIDES]
     sides = args.sides or sides
@@ -233,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         suffix += f"_mb{args.micro_batch_size}_chunk{args.chunk_size}"
         suffix += "_ckpt" if args.gradient_checkpointing else ""
     suffix += "_nofold" if args.no_fold else ""
+    suffix += "_bf16" if args.precision == "bfloat16" else ""
     suffix += "" if args.omp_wait_policy == "default" else f"_omp-{args.omp_wait_policy}"
     if args.sides:
         suffix += "_" + "_".join(args.sides)
