@@ -96,13 +96,15 @@ def test_knowledge_table_quick_runs_every_arm(tmp_path):
 
 
 @pytest.mark.slow
-def test_feedback_vs_scalar_quick_has_a_curve_per_arm(tmp_path):
-    _run("feedback_vs_scalar.py", tmp_path, "--quick")
-    data = json.loads((tmp_path / "feedback_vs_scalar_quick.json").read_text())
+@pytest.mark.parametrize(("task", "name"), [("knowledge", "feedback_vs_scalar_quick"),
+                                            ("code", "feedback_vs_scalar_code_quick")])
+def test_feedback_vs_scalar_quick_has_a_curve_per_arm(tmp_path, task, name):
+    _run("feedback_vs_scalar.py", tmp_path, "--quick", "--task", task)
+    data = json.loads((tmp_path / f"{name}.json").read_text())
     assert set(data["curves"]) == {"sdpo", "grpo", "sdpo+grpo"}
     for runs in data["curves"].values():  # evaluated before training and after each step
         assert [g for g, _ in runs[0]] == [0, 4, 8]
-    assert "GRPO's final accuracy" in (tmp_path / "feedback_vs_scalar_quick.md").read_text()
+    assert "GRPO's final accuracy" in (tmp_path / f"{name}.md").read_text()
 
 
 @pytest.mark.slow  # starts a server process (~20-60 s on the shared machine)
