@@ -107,6 +107,9 @@ def run_arms(task: Task, arms: list[str], seeds: list[int], common: list[str],
             train_job(ROOT / "examples" / task.configs[arm],
                       [*ARMS[arm], *task.overrides, *common, f"seed={seed}"], out)
             curves.setdefault(arm, []).append(curve(out, gens_per_step))
+            # on stderr as each run ends, so a run stopped early still leaves its curves
+            print(f"{arm} seed {seed}: (samples, accuracy) {curves[arm][-1]}", file=sys.stderr,
+                  flush=True)
     return curves
 
 
