@@ -67,6 +67,8 @@ class Task:
     configs: dict[str, str]  # arm -> example config under examples/
     overrides: tuple[str, ...]  # on top of the arm's and the budget's
     lr: float | None  # default --lr (None: each example config's own)
+    n: int  # evaluated questions: one answer moves the accuracy by 100/n points
+    flat_grpo: str = ""  # why GRPO cannot move on this task when it does not (report text)
 
 
 TASKS = {
@@ -74,12 +76,14 @@ TASKS = {
         "QA, feedback reveals the answer", "examples/knowledge questions (16)",
         dict.fromkeys(ARMS, "knowledge.yaml"),
         ("sdpo.reveal_answer=true", "eval_data={}", "anchor_data=null", "anchor_batch_size=0",
-         "eval.oracle=false"), 3e-3),
+         "eval.oracle=false"), 3e-3, 16,
+        "with no correct attempt in a group, every reward is 0 and every advantage is 0, so "
+        "the scalar reward gives no gradient at all on this task"),
     "code": Task(
         "code problems, feedback = failing test, error, passing sibling",
         "examples/code_problems (12), greedy pass rate",
         {"sdpo": "code_sdpo.yaml", "grpo": "code_grpo.yaml", "sdpo+grpo": "code_sdpo.yaml"},
-        ("eval_data={}",), None),
+        ("eval_data={}",), None, 12),
 }
 
 
@@ -119,14 +123,16 @@ def mean_curve(runs: list[list[tuple[int, float]]]) -> list[tuple[int, float, fl
     return [(g, *mean_std([r[i][1] for r in runs])) for i, g in enumerate(xs)]
 
 
-def render(curves: dict[str, Any], title: str, settings: str, load: tuple[str, str]) -> str:
+def render(curves: dict[str, Any], task: Task, settings: str, load: tuple[str, str]) -> str:
     means = {arm: mean_curve(runs) for arm, runs in curves.items()}
     base = next(iter(means.values()))[0][1]
-    lines = [header(f"Rich feedback vs scalar reward ({title})", settings, *load)]
+    lines = [header(f"Rich feedback vs scalar reward ({task.title})", settings, *load)]
     xs = [g for g, _, _ in next(iter(means.values()))]
     rows = [[arm, *(f"{100 * m:.1f} ± {100 * sd:.1f}" for _, m, sd in pts)]
             for arm, pts in means.items()]
-    lines += [md_table(["arm \\ generated samples", *map(str, xs)], rows), ""]
+    lines += [md_table(["arm \\ generated samples", *map(str, xs)], rows), "",
+              f"Each evaluation is {task.n} greedy answers: one answer moves the accuracy by "
+              f"{100 / task.n:.1f} points.", ""]
     if "grpo" in means:
         target = means["grpo"][-1][1]
         reach = {arm: generations_to_reach([(g, m) for g, m, _ in pts], target)
@@ -139,12 +145,14 @@ def render(curves: dict[str, Any], title: str, settings: str, load: tuple[str, s
                          "task a 135M model needs ~10 on-policy visits per question to learn "
                          "an invented name).")
         elif target <= base + 1e-9:
-            lines.append("GRPO never rose above the base model: with no correct attempt in a "
-                         "group, every reward is 0 and every advantage is 0, so the scalar "
-                         "reward gives no gradient at all on this task. Generations to reach "
-                         "its final accuracy are 0 for every arm; the 1/4 target has no "
-                         "meaningful ratio here. What the feedback buys is the curve above: "
-                         "accuracy GRPO does not reach in this budget.")
+            peak = max(m for _, m, _ in means["grpo"])
+            flat = f": {task.flat_grpo}" if task.flat_grpo else ""
+            why = (f"GRPO never rose above the base model{flat}" if peak <= base + 1e-9 else
+                   f"GRPO ended at or below the base model's accuracy (its best evaluation: "
+                   f"{100 * peak:.1f} %)")
+            lines.append(f"{why}. Generations to reach its final accuracy are 0 for every "
+                         "arm, so the 1/4 target has no meaningful ratio in this run; compare "
+                         "the curves above.")
         else:
             for arm, g in reach.items():
                 ratio = (f"{g / reach['grpo']:.2f}x GRPO's" if g is not None and reach["grpo"]
@@ -205,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.threads} torch threads, CPU."
                 + (" Quick smoke run on a tiny random model: the numbers mean nothing."
                    if args.quick else ""))
-    text = render(curves, task.title, settings, (start, loadavg()))
+    text = render(curves, task, settings, (start, loadavg()))
     name = ("feedback_vs_scalar" + ("" if args.task == "knowledge" else f"_{args.task}")
             + ("_quick" if args.quick else ""))
     publish(args.out_dir, name, text, {"curves": curves, "args": vars(args)},
