@@ -46,6 +46,9 @@ class Settings:
     # "bfloat16": bf16 autocast on both sides (ours precision=bfloat16, TRL bf16=True); weights,
     # gradients and optimizer state stay float32 on both
     precision: str = "float32"
+    # "bfloat16": the frozen base weights are stored in bf16 on both sides (ours base_dtype,
+    # TRL's model loaded in bf16; LoRA weights stay float32 on both)
+    base_dtype: str = "float32"
 
 
 def _setup(s: Settings) -> None:
@@ -67,7 +70,7 @@ def our_config(s: Settings) -> Any:
                        probe_data=None, lora={"rank": s.lora_rank, "alpha": s.lora_alpha},
                        teacher={"regime": "base"}, loss=loss, rollout={"fold_lora": s.fold_lora},
                        gradient_checkpointing=s.gradient_checkpointing,
-                       precision=s.precision, **extra)
+                       precision=s.precision, base_dtype=s.base_dtype, **extra)
 
 
 def run_ours(s: Settings) -> dict[str, Any]:
@@ -160,7 +163,7 @@ def run_trl(s: Settings) -> dict[str, Any]:
     from selfdistill.train.loop import seed_everything
 
     seed_everything(s.seed)
-    lm = load_model(s.model, progress=False)
+    lm = load_model(s.model, progress=False, dtype=getattr(torch, s.base_dtype))
     rows = load_rows(s.train_data, require=("prompt", "privileged_context"), purpose="bench")
     clock = _PhaseClock()
     with tempfile.TemporaryDirectory() as out:
@@ -169,6 +172,9 @@ def run_trl(s: Settings) -> dict[str, Any]:
         if trainer.accelerator.mixed_precision != want:  # the comparison would not be same-work
             raise RuntimeError(f"TRL runs mixed precision {trainer.accelerator.mixed_precision!r}"
                                f", expected {want!r} for precision={s.precision}")
+        trained = {p.dtype for p in trainer.model.parameters() if p.requires_grad}
+        if trained != {torch.float32}:  # ours trains float32 LoRA weights whatever the base's
+            raise RuntimeError(f"TRL trains LoRA weights of dtype {trained}, not float32")
         gen = trainer._generate
 
         def generate(ids: Any) -> Any:

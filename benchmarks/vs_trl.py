@@ -20,6 +20,7 @@ differs a little (completion lengths); tokens/s accounts for that.
     .venv/bin/python benchmarks/vs_trl.py --rounds 4 --steps 5
     .venv/bin/python benchmarks/vs_trl.py --micro-batch-size 2 --chunk-size 64   # + ours_lean
     .venv/bin/python benchmarks/vs_trl.py --precision bfloat16   # bf16 autocast, both sides
+    .venv/bin/python benchmarks/vs_trl.py --precision bfloat16 --base-dtype bfloat16
     .venv/bin/python benchmarks/vs_trl.py --quick            # CI smoke: tiny random model
 Results: benchmarks/results/vs_trl{suffix}.md / .json / .png.
 """
@@ -60,11 +61,12 @@ SIDES = ("ours", "trl")  # plus "ours_lean" (micro-batches / chunked loss) when 
 
 def side_settings(s: Settings, side: str) -> Settings:
     """Plain "ours" and TRL run without our memory options; "ours_lean" with them. The
-    same-loss check compares the two loss functions in float32 whatever ``--precision``."""
+    same-loss check compares the two loss functions in float32 whatever ``--precision`` and
+    ``--base-dtype``."""
     if side == "ours_lean":
         return s
     if side == "check":
-        s = replace(s, precision="float32")
+        s = replace(s, precision="float32", base_dtype="float32")
     return replace(s, micro_batch_size=None, chunk_size=None, gradient_checkpointing=False)
 
 
@@ -111,7 +113,7 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
         f"{s.lora_alpha:g} all-linear, top-k {s.topk} + tail, alpha {s.alpha}, frozen-base "
         f"teacher, lr {s.learning_rate:g} constant, seed {s.seed}, {s.threads} torch threads, "
         f"CPU, {'bf16 autocast on both sides' if s.precision == 'bfloat16' else 'float32'}, "
-        f"OpenMP wait policy {omp}. ours: "
+        f"base weights {s.base_dtype} on both sides, OpenMP wait policy {omp}. ours: "
         f"{'LoRA-folded' if s.fold_lora else 'PEFT-layer'} decoding (rollout.fold_lora). "
         "ours_lean (when present): micro_batch_size="
         f"{s.micro_batch_size}, chunk_size={s.chunk_size}, gradient_checkpointing="
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="run only these sides (e.g. re-measure one side's memory)")
     ap.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
                     help="both sides: bfloat16 = autocast (ours precision=bfloat16, TRL bf16=True)")
+    ap.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="both sides: dtype of the frozen base weights (LoRA stays float32)")
     add_omp_option(ap, "default")
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
@@ -221,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
                  threads=args.threads, steps=args.steps, warmup=args.warmup,
                  micro_batch_size=args.micro_batch_size, chunk_size=args.chunk_size,
                  gradient_checkpointing=args.gradient_checkpointing, fold_lora=not args.no_fold,
-                 max_new_tokens=16 if args.quick else 64, precision=args.precision)
+                 max_new_tokens=16 if args.quick else 64, precision=args.precision,
+                 base_dtype=args.base_dtype)
     lean = args.micro_batch_size or args.chunk_size or args.gradient_checkpointing
     sides = [*SIDES, "ours_lean"] if lean else [*SIDES]
     sides = args.sides or sides
@@ -241,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         suffix += "_ckpt" if args.gradient_checkpointing else ""
     suffix += "_nofold" if args.no_fold else ""
     suffix += "_bf16" if args.precision == "bfloat16" else ""
+    suffix += "_base-bf16" if args.base_dtype == "bfloat16" else ""
     suffix += "" if args.omp_wait_policy == "default" else f"_omp-{args.omp_wait_policy}"
     if args.sides:
         suffix += "_" + "_".join(args.sides)
