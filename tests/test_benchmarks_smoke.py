@@ -13,10 +13,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _call(script: str, tmp_path: Path, *args: str, timeout: int = 600
+          ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args,
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
 def _run(script: str, tmp_path: Path, *args: str, timeout: int = 600) -> str:
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args,
-                          "--out-dir", str(tmp_path)], capture_output=True, text=True,
-                         timeout=timeout, cwd=ROOT)
+    res = _call(script, tmp_path, *args, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
 
@@ -87,10 +92,8 @@ def test_knowledge_table_quick_runs_every_arm(tmp_path):
     assert all(len(runs) == 2 for runs in data["runs"].values())
     assert data["runs"]["SFT"][0] == json.loads(first.read_text())["runs"]["SFT"][0]
     assert "over 2 seed(s)" in (tmp_path / "knowledge_table_quick.md").read_text()
-    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "knowledge_table.py"),
-                            "--quick", "--seeds", "0", "--merge", str(first), "--out-dir",
-                            str(tmp_path)], capture_output=True, text=True, timeout=300,
-                           cwd=ROOT)
+    again = _call("knowledge_table.py", tmp_path, "--quick", "--seeds", "0", "--merge",
+                  str(first), timeout=300)
     assert again.returncode == 2 and "seeds [0] are in both" in again.stderr
     assert "Traceback" not in again.stderr
 
