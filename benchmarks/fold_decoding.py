@@ -1,12 +1,13 @@
-"""Generation through PEFT's LoRA layers vs through LoRA-folded weights (`rollout.fold_lora`).
+"""Generation through PEFT's LoRA layers vs LoRA-folded weights (`rollout.fold_lora`) vs folded
+and oneDNN-packed weights (`rollout.pack_weights`, the CPU default; `rollout.weights`).
 
 One process, the default model with a random LoRA adapter (rank 16 on every linear layer except
 the head; B drawn N(0, 0.02) so the adapter changes the function), ``--prompts`` chat prompts,
-``--tokens`` new tokens each, greedy so both sides decode the same tokens. ``--reps``
-repetitions after one warm-up of each, alternating the order (A B, B A, ...). Reported: median /
-min / max seconds per call per side, the speed ratio (PEFT median over folded median), whether
-the tokens matched, the largest log-prob difference, and that every weight is bit-identical
-afterwards.
+``--tokens`` new tokens each, greedy so every side decodes the same tokens. ``--reps``
+repetitions after one warm-up of each, alternating the order (A B C, C B A, ...). Reported:
+median / min / max seconds per call per side, each side's speed ratio over the PEFT layers',
+whether its tokens matched theirs, the largest log-prob difference, and that every weight is
+bit-identical afterwards.
 
     .venv/bin/python benchmarks/fold_decoding.py               # 8 prompts x 64 tokens, 5 reps
     .venv/bin/python benchmarks/fold_decoding.py --quick       # CI smoke: tiny random model
@@ -23,6 +24,9 @@ from typing import Any
 
 import common
 
+SIDES = {"peft": {"fold_lora": False, "pack_weights": False},  # generate() keyword arguments
+         "folded": {"fold_lora": True, "pack_weights": False},
+         "packed": {"fold_lora": True, "pack_weights": True}}
 QUESTIONS = ["What is the capital of Veloria?", "Tell me about the number {i}.",
              "Why is the sky blue?", "Write a haiku about rivers.",
              "Who founded the Harnwick Observatory?", "Explain photosynthesis briefly.",
@@ -48,21 +52,24 @@ def measure(model_dir: str, prompts: int, tokens: int, reps: int, threads: int) 
     ids = [prompt_ids(lm.tokenizer, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]
                                       .format(i=i)}]) for i in range(prompts)]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    seconds: dict[str, list[float]] = {"peft": [], "folded": []}
+    seconds: dict[str, list[float]] = {side: [] for side in SIDES}
     outs: dict[str, Any] = {}
-    for rep in range(reps + 1):  # rep 0 = warm-up of both
-        for side in ("peft", "folded") if rep % 2 == 0 else ("folded", "peft"):
+    for rep in range(reps + 1):  # rep 0 = warm-up of each
+        for side in list(SIDES) if rep % 2 == 0 else list(SIDES)[::-1]:
             t0 = time.perf_counter()
             outs[side] = generate(model, lm.tokenizer, ids, max_new_tokens=tokens, greedy=True,
-                                  batch_size=prompts, fold_lora=side == "folded")
+                                  batch_size=prompts, **SIDES[side])
             if rep:
                 seconds[side].append(time.perf_counter() - t0)
-    a, b = ([c[0] for c in outs[s]] for s in ("peft", "folded"))
-    same = sum(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
-    lp_diff = max((abs(p - q) for x, y in zip(a, b, strict=True)
-                   for p, q in zip(x.logprobs, y.logprobs, strict=False)), default=0.0)
+    ref = [c[0] for c in outs["peft"]]
+    same, lp_diff = {}, {}
+    for side in SIDES:
+        rows = [c[0] for c in outs[side]]
+        same[side] = sum(x.token_ids == y.token_ids for x, y in zip(ref, rows, strict=True))
+        lp_diff[side] = max((abs(p - q) for x, y in zip(ref, rows, strict=True)
+                             for p, q in zip(x.logprobs, y.logprobs, strict=False)), default=0.0)
     return {"seconds": seconds, "stats": {s: common.summary(v) for s, v in seconds.items()},
-            "tokens": sum(len(x.token_ids) for x in a), "same_tokens": same, "rows": len(a),
+            "tokens": sum(len(x.token_ids) for x in ref), "same_tokens": same, "rows": len(ref),
             "max_logprob_diff": lp_diff,
             "weights_unchanged": all(bool((before[n] == p).all())
                                      for n, p in model.named_parameters())}
@@ -70,28 +77,31 @@ def measure(model_dir: str, prompts: int, tokens: int, reps: int, threads: int) 
 
 def render(r: dict[str, Any], settings: str, load: tuple[str, str]) -> str:
     st = r["stats"]
-    title = "Decoding through LoRA layers vs LoRA-folded weights"
+    title = "Decoding through LoRA layers vs LoRA-folded vs folded + oneDNN-packed weights"
     table = common.md_table(
-        ["side", "median (s)", "min", "max", "calls", "tokens/s (median)"],
+        ["side", "median (s)", "min", "max", "calls", "tokens/s (median)",
+         "x PEFT's speed (median)", "same tokens as PEFT", "max |Δ log-prob|"],
         [[s, st[s]["median"], st[s]["min"], st[s]["max"], st[s]["n"],
-          r["tokens"] / st[s]["median"]] for s in ("peft", "folded")])
+          r["tokens"] / st[s]["median"], common.ratio(st["peft"]["median"], st[s]["median"]),
+          f"{r['same_tokens'][s]}/{r['rows']}", f"{r['max_logprob_diff'][s]:.2e}"]
+         for s in SIDES])
     lines = [common.header(title, settings, *load), table, "",
-             f"**folded: {common.ratio(st['peft']['median'], st['folded']['median'])}x the PEFT "
-             f"layers' generation speed (median; min: "
-             f"{common.ratio(st['peft']['min'], st['folded']['min'])}x).**", "",
-             f"Same tokens in {r['same_tokens']}/{r['rows']} rows; largest log-prob difference "
-             f"{r['max_logprob_diff']:.2e}; weights bit-identical afterwards: "
-             f"{r['weights_unchanged']}.", ""]
+             f"**packed: {common.ratio(st['folded']['median'], st['packed']['median'])}x the "
+             f"folded side's generation speed (median; min: "
+             f"{common.ratio(st['folded']['min'], st['packed']['min'])}x); folded: "
+             f"{common.ratio(st['peft']['median'], st['folded']['median'])}x the PEFT "
+             "layers'.**", "",
+             f"Weights bit-identical afterwards: {r['weights_unchanged']}.", ""]
     return "\n".join(lines)
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(5, 4))
-    sides = ["peft", "folded"]
+    sides = list(SIDES)
     ax.boxplot([r["seconds"][s] for s in sides], tick_labels=sides)
     ax.set_ylabel("seconds per generate call")
-    ax.set_title("LoRA decoding: adapter layers vs folded weights")
+    ax.set_title("LoRA decoding: adapter layers, folded, folded + packed")
     common.save_figure(fig, path)
 
 

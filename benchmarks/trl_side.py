@@ -43,6 +43,7 @@ class Settings:
     chunk_size: int | None = None  # ours only
     gradient_checkpointing: bool = False  # ours only
     fold_lora: bool = True  # ours only: decode through LoRA-folded weights (rollout.fold_lora)
+    pack_weights: bool = True  # ours only: oneDNN-packed decode weights (rollout.pack_weights)
     # "bfloat16": bf16 autocast on both sides (ours precision=bfloat16, TRL bf16=True); weights,
     # gradients and optimizer state stay float32 on both
     precision: str = "float32"
@@ -68,7 +69,8 @@ def our_config(s: Settings) -> Any:
                        max_new_tokens=s.max_new_tokens, temperature=1.0,
                        learning_rate=s.learning_rate, threads=s.threads, trace_store=None,
                        probe_data=None, lora={"rank": s.lora_rank, "alpha": s.lora_alpha},
-                       teacher={"regime": "base"}, loss=loss, rollout={"fold_lora": s.fold_lora},
+                       teacher={"regime": "base"}, loss=loss, rollout={"fold_lora": s.fold_lora,
+                                                                  "pack_weights": s.pack_weights},
                        gradient_checkpointing=s.gradient_checkpointing,
                        precision=s.precision, base_dtype=s.base_dtype, **extra)
 

@@ -114,7 +114,9 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
         f"teacher, lr {s.learning_rate:g} constant, seed {s.seed}, {s.threads} torch threads, "
         f"CPU, {'bf16 autocast on both sides' if s.precision == 'bfloat16' else 'float32'}, "
         f"base weights {s.base_dtype} on both sides, OpenMP wait policy {omp}. ours: "
-        f"{'LoRA-folded' if s.fold_lora else 'PEFT-layer'} decoding (rollout.fold_lora). "
+        f"{'LoRA-folded' if s.fold_lora else 'PEFT-layer'}, "
+        f"{'oneDNN-packed' if s.pack_weights else 'unpacked'} decoding (rollout.fold_lora, "
+        "rollout.pack_weights). "
         "ours_lean (when present): micro_batch_size="
         f"{s.micro_batch_size}, chunk_size={s.chunk_size}, gradient_checkpointing="
         f"{s.gradient_checkpointing}. {rounds} round(s) (A B C, C B A, ...), each side a fresh "
@@ -205,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="ours_lean: recompute activations in the backward")
     ap.add_argument("--no-fold", action="store_true",
                     help="ours: decode through PEFT's adapter layers (rollout.fold_lora=false)")
+    ap.add_argument("--no-pack", action="store_true",
+                    help="ours: decode with PyTorch's default CPU matmul (rollout.pack_weights="
+                    "false)")
     ap.add_argument("--check-only", action="store_true", help="only the same-loss check")
     ap.add_argument("--no-check", action="store_true", help="skip the same-loss check")
     ap.add_argument("--sides", nargs="+", choices=[*SIDES, "ours_lean"],
@@ -225,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                  threads=args.threads, steps=args.steps, warmup=args.warmup,
                  micro_batch_size=args.micro_batch_size, chunk_size=args.chunk_size,
                  gradient_checkpointing=args.gradient_checkpointing, fold_lora=not args.no_fold,
+                 pack_weights=not args.no_pack,
                  max_new_tokens=16 if args.quick else 64, precision=args.precision,
                  base_dtype=args.base_dtype)
     lean = args.micro_batch_size or args.chunk_size or args.gradient_checkpointing
@@ -245,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         suffix += f"_mb{args.micro_batch_size}_chunk{args.chunk_size}"
         suffix += "_ckpt" if args.gradient_checkpointing else ""
     suffix += "_nofold" if args.no_fold else ""
+    suffix += "_nopack" if args.no_pack else ""
     suffix += "_bf16" if args.precision == "bfloat16" else ""
     suffix += "_base-bf16" if args.base_dtype == "bfloat16" else ""
     suffix += "" if args.omp_wait_policy == "default" else f"_omp-{args.omp_wait_policy}"

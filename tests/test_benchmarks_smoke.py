@@ -65,13 +65,16 @@ def test_utilization_quick_counts_flops_and_compares_with_matmul(tmp_path):
     assert (tmp_path / "utilization_quick.png").stat().st_size > 0
 
 
-def test_fold_decoding_quick_compares_both_sides(tmp_path):
+def test_fold_decoding_quick_compares_every_side(tmp_path):
     _run("fold_decoding.py", tmp_path, "--quick")
     data = json.loads((tmp_path / "fold_decoding_quick.json").read_text())
-    assert data["stats"]["peft"]["n"] == data["stats"]["folded"]["n"] == 1
-    assert data["same_tokens"] == data["rows"] == 2 and data["weights_unchanged"]
+    assert {side: st["n"] for side, st in data["stats"].items()} == {
+        "peft": 1, "folded": 1, "packed": 1}
+    assert data["same_tokens"] == {"peft": 2, "folded": 2, "packed": 2} == {
+        side: data["rows"] for side in data["stats"]}
+    assert data["weights_unchanged"]
     report = (tmp_path / "fold_decoding_quick.md").read_text()
-    assert "x the PEFT layers' generation speed" in report
+    assert "x the folded side's generation speed" in report
     assert (tmp_path / "fold_decoding_quick.png").stat().st_size > 0
 
 

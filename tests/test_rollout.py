@@ -39,13 +39,16 @@ def test_a_seeded_completion_does_not_depend_on_its_batch(tiny_model, tokenizer)
     assert [g[0].token_ids for g in together] == [g[0].token_ids for g in alone]
     other = generate(tiny_model, tokenizer, prompts[:1], seeds=[seeds[0] + 1], **kw)
     assert other[0][0].token_ids != together[0][0].token_ids
-    # the recorded log-probs are the raw (temperature-1) log-probs of the sampled tokens
-    c = together[1][0]
-    ids = torch.tensor([prompts[1] + c.token_ids])
-    with torch.no_grad():
-        lp = torch.log_softmax(tiny_model(input_ids=ids).logits[0], -1)
-    want = [float(lp[len(prompts[1]) - 1 + i, t]) for i, t in enumerate(c.token_ids)]
-    assert c.logprobs == pytest.approx(want, abs=1e-4)
+    # the recorded log-probs are the raw (temperature-1, unfiltered) log-probs of the sampled
+    # tokens, also when sampling was tempered
+    tempered = generate(tiny_model, tokenizer, prompts[1:2], seeds=seeds[1:2],
+                        max_new_tokens=8, temperature=0.6)
+    for c in (together[1][0], tempered[0][0]):
+        ids = torch.tensor([prompts[1] + c.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(tiny_model(input_ids=ids).logits[0], -1)
+        want = [float(lp[len(prompts[1]) - 1 + i, t]) for i, t in enumerate(c.token_ids)]
+        assert len(want) == 8 and c.logprobs == pytest.approx(want, abs=1e-4)
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -189,7 +192,7 @@ def test_folded_lora_generation_is_the_same_function_and_restores_the_model(toke
     """Decoding through W + s·B·A gives the tokens and log-probs of decoding through PEFT's
     layers; afterwards every parameter is bit-identical, trainable flags and the adapter are
     back (a forward equals the one before), and a disabled adapter is not folded in."""
-    from selfdistill.rollout.hf import folded_lora
+    from selfdistill.rollout.weights import decode_weights
 
     model = _tiny_lora()
     prompts = [[1, 504, 3458], [1, 2000, 17, 99, 5], [1, 42]]
@@ -211,14 +214,75 @@ def test_folded_lora_generation_is_the_same_function_and_restores_the_model(toke
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, logits_before)
-        with folded_lora(model) as did:  # inside: the adapter's function, without its layers
-            assert did
+        with decode_weights(model, pack=False) as dw:  # the adapter's function, without its layers
+            assert dw.folded and dw.packed == 0
             assert torch.allclose(model(input_ids=ids).logits, logits_before, atol=1e-4)
-        with model.disable_adapter(), folded_lora(model) as did:
-            assert not did  # the base model was asked for: nothing to fold
+        with model.disable_adapter(), decode_weights(model, pack=False) as dw:
+            assert not dw.folded  # the base model was asked for: nothing to fold
             assert torch.equal(model(input_ids=ids).logits, base_logits)
     # the adapter changes the function, so "same tokens" above compared something real
     assert not torch.allclose(base_logits, logits_before, atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                    reason="this PyTorch build has no oneDNN: decoding is never packed")
+def test_packed_decoding_is_the_same_function_and_leaves_the_model_as_it_was(tokenizer,
+                                                                            monkeypatch):
+    """oneDNN-packed frozen weights (the CPU default) decode the tokens and log-probs of
+    PyTorch's matmul, LoRA folded or not; only frozen linear layers are packed (the adapter's
+    own stay as they are); on exit no module keeps a forward override and no parameter moved."""
+    from selfdistill.rollout import weights
+
+    calls = []
+    real = weights._packed_linear
+    monkeypatch.setattr(weights, "_packed_linear", lambda x, **kw: calls.append(1) or real(x, **kw))
+    model = _tiny_lora(seed=2)
+    prompts = [[1, 504, 3458], [1, 2000, 17, 99, 5], [1, 42]]
+    kw = {"max_new_tokens": 12, "temperature": 1.0,
+          "seeds": [sample_seed(3, 0, 0, i) for i in range(3)]}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    frozen = [m for m in linears if not m.weight.requires_grad]  # base layers and the head
+    assert 0 < len(frozen) < len(linears)
+    ids = torch.tensor([[1, 504, 3458, 17]])
+    with torch.no_grad(), model.disable_adapter():
+        base_logits = model(input_ids=ids).logits
+    with model.disable_adapter(), weights.decode_weights(model, fold=False) as dw:
+        assert not dw.folded and dw.packed == len(frozen)
+        assert all("forward" in vars(m) for m in frozen)
+        assert not any("forward" in vars(m) for m in linears if m not in frozen)
+        packed_logits = model(input_ids=ids).logits
+    assert len(calls) == len(frozen)  # every frozen layer ran through oneDNN, once
+    assert torch.allclose(packed_logits, base_logits, atol=1e-5)
+    for fold in (True, False):
+        calls.clear()
+        packed = generate(model, tokenizer, prompts, fold_lora=fold, **kw)
+        assert calls
+        calls.clear()
+        plain = generate(model, tokenizer, prompts, fold_lora=fold, pack_weights=False, **kw)
+        assert not calls
+        assert [g[0].token_ids for g in packed] == [g[0].token_ids for g in plain]
+        for a, b in zip(packed, plain, strict=True):
+            assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
+    assert not any("forward" in vars(m) for m in linears)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_the_rollout_config_reaches_generate(tiny_model, tokenizer, monkeypatch):
+    """`rollout.fold_lora` / `rollout.pack_weights` from a job's config are the flags the
+    in-process sampler decodes with (`make_sampler`, as the trainer builds it)."""
+    from selfdistill.rollout import base
+    from selfdistill.train.config import RolloutConfig
+
+    seen = []
+    monkeypatch.setattr(base, "generate", lambda *a, **kw: seen.append(
+        (kw["fold_lora"], kw["pack_weights"])) or [])
+    for fold, pack in ((True, False), (False, True)):
+        rollout = RolloutConfig(fold_lora=fold, pack_weights=pack)
+        sampler = base.make_sampler(rollout, tiny_model, tokenizer, "unused")
+        sampler.sync(tiny_model, 0)
+        sampler.sample([[1, 42]], n=1, max_new_tokens=2, temperature=1.0, top_p=1.0, seeds=[0])
+    assert seen == [(True, False), (False, True)]
 
 
 def test_the_static_decode_cache_gives_what_the_dynamic_cache_gives(tiny_model, tokenizer,
@@ -252,20 +316,21 @@ def test_folded_weights_are_stored_in_the_autocast_dtype_with_the_same_result(to
     """Under bf16 autocast the folded W' and the output head are kept in bf16 (autocast would
     round them to bf16 at every matmul anyway): bit-identical tokens and log-probs to casting
     at every step; afterwards the float32 weights are back and a tied head is tied again."""
-    from selfdistill.rollout import hf
+    from selfdistill.rollout import weights
 
     model = _tiny_lora(seed=1)
     prompts = [[1, 504, 3458], [1, 2000, 17, 99, 5]]
-    kw = {"max_new_tokens": 10, "temperature": 1.0, "seeds": [11, 12]}
+    # unpacked: on a CPU with native bf16 the packed path would hold the bf16 copies instead
+    kw = {"max_new_tokens": 10, "temperature": 1.0, "seeds": [11, 12], "pack_weights": False}
     seen: list[torch.dtype] = []
     layer = next(m for m in model.modules() if hasattr(m, "lora_A")).get_base_layer()
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     head.weight = embed.weight  # tied, as in the default model
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with hf.folded_lora(model):
+        with weights.decode_weights(model, pack=False):
             seen += [layer.weight.dtype, head.weight.dtype, embed.weight.dtype]
         cast = generate(model, tokenizer, prompts, **kw)
-        monkeypatch.setattr(hf, "_autocast_dtype", lambda device_type: None)
+        monkeypatch.setattr(weights, "_autocast_dtype", lambda device_type: None)
         plain = generate(model, tokenizer, prompts, **kw)
     assert seen == [torch.bfloat16, torch.bfloat16, torch.float32]
     assert layer.weight.dtype == torch.float32 and head.weight is embed.weight

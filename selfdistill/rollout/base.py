@@ -43,8 +43,16 @@ class Sampler(ABC):
 class HFSampler(Sampler):
     """In-process generation with the learner's current weights (`rollout.hf.generate`)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, fold_lora: bool = True) -> None:
-        self.model, self.tokenizer, self.fold_lora = model, tokenizer, fold_lora
+    def __init__(self, model: Any, tokenizer: Any, *, fold_lora: bool = True,
+                 pack_weights: bool = True) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.fold_lora, self.pack_weights = fold_lora, pack_weights
+
+    @classmethod
+    def from_config(cls, rollout: Any, model: Any, tokenizer: Any) -> HFSampler:
+        """The sampler a `rollout` config section (`train.config.RolloutConfig`) asks for."""
+        return cls(model, tokenizer, fold_lora=rollout.fold_lora,
+                   pack_weights=rollout.pack_weights)
 
     def sync(self, model: Any, step: int, dist: Any = None) -> None:
         self.model, self.version = model, step
@@ -55,7 +63,8 @@ class HFSampler(Sampler):
             return []
         groups = generate(self.model, self.tokenizer, prompts, n=n, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, batch_size=len(prompts) * n,
-                          seeds=seeds, fold_lora=self.fold_lora)
+                          seeds=seeds, fold_lora=self.fold_lora,
+                          pack_weights=self.pack_weights)
         for group in groups:
             for c in group:
                 c.meta["adapter_version"] = self.version
@@ -66,7 +75,7 @@ def make_sampler(rollout: Any, model: Any, tokenizer: Any, run_dir: str | Path) 
     """The backend a `rollout` config section (`train.config.RolloutConfig`) names; pushed
     adapters go to `rollout.push_dir`, else `run_dir/pushed`."""
     if rollout.backend == "hf":
-        return HFSampler(model, tokenizer, fold_lora=rollout.fold_lora)
+        return HFSampler.from_config(rollout, model, tokenizer)
     from selfdistill.rollout.server import ServerSampler
 
     return ServerSampler(rollout.url, tokenizer,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +11,8 @@ from transformers import LogitsProcessorList
 
 from selfdistill.models import cache_arg
 from selfdistill.rollout.seeding import GumbelSampler
-from selfdistill.teacher.regimes import is_peft, prefill, teacher_mode
+from selfdistill.rollout.weights import decode_weights
+from selfdistill.teacher.regimes import prefill
 from selfdistill.teacher.scoring import common_prefix, left_pad
 
 
@@ -74,6 +74,7 @@ def generate(
     on_batch: Callable[[int], None] | None = None,
     seeds: list[int] | None = None,
     fold_lora: bool = True,
+    pack_weights: bool = True,
 ) -> list[list[Completion]]:
     """Sample `n` completions for each prompt (token ids, already chat-templated).
 
@@ -83,9 +84,10 @@ def generate(
     `on_batch(rows_done)` is called after each batch, e.g. to advance a progress bar.
     `seeds` (one per completion, prompt-major: prompt i's j-th is `seeds[i * n + j]`) makes each
     completion a pure function of its seed, whatever the batching (`rollout.seeding`).
-    `fold_lora` decodes through LoRA-folded weights (`folded_lora`): same function, fewer calls.
+    `fold_lora` / `pack_weights` decode through LoRA-folded / oneDNN-packed copies of the frozen
+    weights (`rollout.weights.decode_weights`): the same function, fewer and faster calls.
     """
-    with folded_lora(model) if fold_lora else contextlib.nullcontext():
+    with decode_weights(model, fold=fold_lora, pack=pack_weights):
         return _generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, n=n,
                          temperature=temperature, top_p=top_p, greedy=greedy,
                          batch_size=batch_size, on_batch=on_batch, seeds=seeds)
@@ -109,6 +111,7 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_t
         ids, mask = (t.to(model.device) for t in left_pad(chunk, pad_id, shared))
         kwargs: dict[str, Any] = {"do_sample": False} if greedy else {
             "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        sampler = None
         if seeds is not None and not greedy:  # seeded Gumbel-max on top of greedy decoding
             sampler = GumbelSampler(seeds[start:start + batch_size], temperature=temperature,
                                     top_p=top_p)
@@ -116,14 +119,15 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_t
         res = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
             pad_token_id=pad_id, eos_token_id=stop_ids, return_dict_in_generate=True,
-            output_logits=True, disable_compile=True,
+            output_logits=sampler is None, disable_compile=True,
             **cache_arg(decode_cache(model, ids, shared, max_new_tokens)), **kwargs,
         )
         new = res.sequences[:, ids.shape[1]:]  # (b, steps)
-        # Log-prob of each sampled token under the raw (unprocessed) logits, one step at a time:
-        # a (b, V) temporary instead of stacked (b, steps, V) copies.
-        lp = torch.stack([torch.log_softmax(step.float(), dim=-1).gather(-1, tok[:, None])[:, 0]
-                          for step, tok in zip(res.logits, new.unbind(1), strict=True)], dim=1)
+        # Log-prob of each sampled token under the raw (unprocessed) logits: kept by the seeded
+        # sampler as it goes; otherwise from HF's per-step logits, one (b, V) step at a time.
+        lp = sampler.token_logprobs(new) if sampler is not None else torch.stack(
+            [torch.log_softmax(step.float(), dim=-1).gather(-1, tok[:, None])[:, 0]
+             for step, tok in zip(res.logits, new.unbind(1), strict=True)], dim=1)
         for row, prompt in enumerate(chunk):
             toks, lps, finished = [], [], False
             for t in range(new.shape[1]):
@@ -139,80 +143,6 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_t
             on_batch(len(chunk))
     model.train(was_training)
     return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
-
-
-@contextlib.contextmanager
-def folded_lora(model: Any) -> Iterator[bool]:
-    """Run the block with each LoRA layer's update folded into its base weight, W' = W + s·B·A,
-    and the adapter layers switched off; yields whether it folded anything.
-
-    A decode step then runs one matmul per linear layer instead of three plus PEFT's per-layer
-    Python: the same function up to float rounding (|Δ logit| ~ 1e-6 in float32), markedly
-    fewer kernel calls when a step's work is small (CPU decoding). W' is a temporary copy (one
-    extra copy of the adapted weights while the block runs); the original W tensors are put
-    back untouched on exit, so base weights never drift the way merge/unmerge would make them.
-    Under autocast (e.g. `precision=bfloat16`) W' is stored in autocast's dtype: autocast would
-    round it to that dtype anyway, but without a cast cache under no_grad it does so at every
-    decode step (reading the float32 weights and writing a bf16 copy per layer per token: bf16
-    decoding measured 1.6x slower than float32 on an AVX512-BF16 Xeon); the copy is then
-    half the size too. Other linear layers (the output head) get a cast copy for the block.
-    No-op (yields False) for a model that is not PEFT, an adapter already merged or disabled,
-    or a layer kind PEFT cannot give a plain delta for (DoRA).
-    """
-    layers = _lora_layers(model) if is_peft(model) else []
-    if not layers:
-        yield False
-        return
-    cast = _autocast_dtype(layers[0].get_base_layer().weight.device.type)
-    swapped: list[tuple[Any, torch.Tensor]] = []
-    retied: list[tuple[Any, torch.nn.Parameter]] = []
-    try:
-        with torch.no_grad():
-            for layer in layers:
-                base = layer.get_base_layer()
-                delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters
-                            if a in layer.lora_A)
-                swapped.append((base, base.weight.data))
-                folded = base.weight.data + delta.to(base.weight.dtype)
-                base.weight.data = folded if cast is None else folded.to(cast)
-            adapted = {id(layer.get_base_layer()) for layer in layers}
-            for module in model.modules() if cast is not None else ():
-                if (type(module) is torch.nn.Linear and id(module) not in adapted
-                        and module.weight.dtype != cast):  # the output head, typically
-                    # a module attribute, not `.data`: the head may share its Parameter with
-                    # the input embedding, which must stay in its own dtype
-                    retied.append((module, module.weight))
-                    module.weight = torch.nn.Parameter(module.weight.to(cast),
-                                                       requires_grad=False)
-        with teacher_mode(model), model.disable_adapter():
-            yield True
-    finally:
-        for base, weight in swapped:
-            base.weight.data = weight
-        for module, param in retied:
-            module.weight = param
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast runs linear layers in on `device_type`, or None when it is off."""
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
-
-
-def _lora_layers(model: Any) -> list[Any]:
-    """The model's LoRA layers, or [] when folding them would not be exact (see folded_lora)."""
-    from peft.tuners.lora import LoraLayer
-
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    for layer in layers:
-        active = [a for a in layer.active_adapters if a in layer.lora_A]
-        if (layer.merged or layer.disable_adapters or not active
-                or any(layer.use_dora.get(a, False) for a in active)
-                or not isinstance(getattr(layer.get_base_layer(), "weight", None),
-                                  torch.nn.Parameter)):
-            return []
-    return layers
 
 
 def eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -41,6 +41,10 @@ class GumbelSampler(LogitsProcessor):
 
     Use with `generate(do_sample=False)`: it applies temperature and top-p itself, then adds
     per-row Gumbel noise, so the argmax HF takes is a sample. `seeds[b]` seeds row b.
+    It also keeps what `token_logprobs` needs — the log-prob of each sampled token under the
+    raw (temperature 1, unfiltered) distribution — read off `input_ids` at the next call, so
+    `generate` need not return every step's (B, V) logits (`output_logits`: 100 MB for 8 rows
+    × 64 tokens of a 49k vocabulary, held until the call ends).
     """
 
     def __init__(self, seeds: list[int], *, temperature: float = 1.0, top_p: float = 1.0) -> None:
@@ -49,13 +53,20 @@ class GumbelSampler(LogitsProcessor):
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]
         self.temperature = temperature
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+        self._raw: torch.Tensor | None = None  # the last call's raw log-probs, (B, V)
+        self._taken: list[torch.Tensor] = []  # raw log-prob of each earlier step's token, (B,)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """scores: (B, V) next-token logits → (B, V) perturbed log-probs (argmax = a sample)."""
         if scores.shape[0] != len(self.generators):
             raise ValueError(f"GumbelSampler has {len(self.generators)} seeds, batch has "
                              f"{scores.shape[0]} rows")
-        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        raw = torch.log_softmax(scores.float(), dim=-1)
+        if self._raw is not None:  # input_ids now ends with the token the last call sampled
+            self._taken.append(self._raw.gather(-1, input_ids[:, -1:].to(raw.device))[:, 0])
+        self._raw = raw
+        logp = raw if self.temperature == 1.0 else torch.log_softmax(
+            scores.float() / self.temperature, dim=-1)
         if self.top_p is not None:
             logp = self.top_p(input_ids, logp)
         u = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64)
@@ -64,3 +75,12 @@ class GumbelSampler(LogitsProcessor):
         # out-of-place expression without four fresh (B, V) temporaries per decode step.
         gumbel = u.clamp_(1e-300, 1.0 - 1e-16).log_().neg_().log_().neg_()
         return gumbel.add_(logp).to(scores.dtype)
+
+    def token_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, steps) sampled tokens (this sampler's calls, in order) → (B, steps) float32
+        log π(token) under each step's raw distribution, in nats."""
+        if self._raw is None or len(self._taken) != tokens.shape[1] - 1:
+            raise ValueError(f"GumbelSampler saw {len(self._taken) + (self._raw is not None)} "
+                             f"decode steps, got {tokens.shape[1]} tokens")
+        last = self._raw.gather(-1, tokens[:, -1:].to(self._raw.device))[:, 0]
+        return torch.stack([*self._taken, last], dim=1)

@@ -161,8 +161,7 @@ def _rollouts(cfg: TrainConfig, ctx: StepContext, step: int,
     its global index in the step (`rollout.seeding`), so the tokens do not depend on the
     sharding; `task` / `anchor` = (prompts, global index of the first). One sampler call when
     both take one completion."""
-    sampler = ctx.sampler or HFSampler(ctx.model, ctx.tokenizer,
-                                         fold_lora=cfg.rollout.fold_lora)
+    sampler = ctx.sampler or HFSampler.from_config(cfg.rollout, ctx.model, ctx.tokenizer)
     sampler.sync(ctx.model, step, ctx.dist)
     n = cfg.num_generations
     (t_ps, t_first), (a_ps, a_first) = task, anchor
@@ -525,8 +524,8 @@ def make_step_context(cfg: TrainConfig, model: Any, tokenizer: Any, rows: list[R
             return make_env(row, reveal=reveal)
     cache = warm_prompt_cache(cfg, regime, model, tokenizer, rows, list(anchors))
     return StepContext(model, tokenizer, regime, optimizer, scheduler, rows, list(anchors),
-                       graders, sampler=sampler or HFSampler(
-                           model, tokenizer, fold_lora=cfg.rollout.fold_lora), dist=dist,
+                       graders, sampler=sampler or HFSampler.from_config(
+                           cfg.rollout, model, tokenizer), dist=dist,
                        train_model=train_model, prompt_cache=cache)
 
 
