@@ -73,7 +73,9 @@ def decode_weights(model: Any, *, fold: bool = True, pack: bool = True) -> Itera
                     weight = weight + delta.to(weight.dtype)
                 if cast is not None and weight.dtype != cast:
                     weight = weight.to(cast)
-                if pack and packable(weight):
+                # a module whose forward is already an instance attribute (accelerate's
+                # device-map hooks) keeps it: its undo would remove theirs
+                if pack and packable(weight) and "forward" not in vars(module):
                     undo.append(_install_packed(module, weight))
                     packed += 1
                 elif weight is not module.weight.data:
