@@ -1,5 +1,7 @@
 """Generation through PEFT's LoRA layers vs LoRA-folded weights (`rollout.fold_lora`) vs folded
-and oneDNN-packed weights (`rollout.pack_weights`, the CPU default; `rollout.weights`).
+and oneDNN-packed weights (`rollout.pack_weights`, the CPU default; `rollout.weights`), each
+decoded by our Llama decode loop (`rollout.decode_loop`, the default), and the packed weights
+decoded by HF `generate` instead (side hf_generate).
 
 One process, the default model with a random LoRA adapter (rank 16 on every linear layer except
 the head; B drawn N(0, 0.02) so the adapter changes the function), ``--prompts`` chat prompts,
@@ -26,7 +28,8 @@ import common
 
 SIDES = {"peft": {"fold_lora": False, "pack_weights": False},  # generate() keyword arguments
          "folded": {"fold_lora": True, "pack_weights": False},
-         "packed": {"fold_lora": True, "pack_weights": True}}
+         "packed": {"fold_lora": True, "pack_weights": True},
+         "hf_generate": {"fold_lora": True, "pack_weights": True, "decode_loop": False}}
 QUESTIONS = ["What is the capital of Veloria?", "Tell me about the number {i}.",
              "Why is the sky blue?", "Write a haiku about rivers.",
              "Who founded the Harnwick Observatory?", "Explain photosynthesis briefly.",
@@ -77,7 +80,8 @@ def measure(model_dir: str, prompts: int, tokens: int, reps: int, threads: int) 
 
 def render(r: dict[str, Any], settings: str, load: tuple[str, str]) -> str:
     st = r["stats"]
-    title = "Decoding through LoRA layers vs LoRA-folded vs folded + oneDNN-packed weights"
+    title = ("Decoding through LoRA layers vs LoRA-folded vs folded + oneDNN-packed weights; "
+             "decode loop vs HF generate")
     table = common.md_table(
         ["side", "median (s)", "min", "max", "calls", "tokens/s (median)",
          "x PEFT's speed (median)", "same tokens as PEFT", "max |Δ log-prob|"],
@@ -90,7 +94,10 @@ def render(r: dict[str, Any], settings: str, load: tuple[str, str]) -> str:
              f"folded side's generation speed (median; min: "
              f"{common.ratio(st['folded']['min'], st['packed']['min'])}x); folded: "
              f"{common.ratio(st['peft']['median'], st['folded']['median'])}x the PEFT "
-             "layers'.**", "",
+             "layers'. Decode loop: "
+             f"{common.ratio(st['hf_generate']['median'], st['packed']['median'])}x HF "
+             "generate's speed on the same packed weights (median; min: "
+             f"{common.ratio(st['hf_generate']['min'], st['packed']['min'])}x).**", "",
              f"Weights bit-identical afterwards: {r['weights_unchanged']}.", ""]
     return "\n".join(lines)
 
@@ -101,7 +108,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
     sides = list(SIDES)
     ax.boxplot([r["seconds"][s] for s in sides], tick_labels=sides)
     ax.set_ylabel("seconds per generate call")
-    ax.set_title("LoRA decoding: adapter layers, folded, folded + packed")
+    ax.set_title("LoRA decoding: adapter layers, folded, packed; loop vs generate")
     common.save_figure(fig, path)
 
 

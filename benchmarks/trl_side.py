@@ -40,7 +40,7 @@ class Settings:
     steps: int = 3
     warmup: int = 1
     micro_batch_size: int | None = None  # ours only
-    chunk_size: int | None = None  # ours only
+    chunk_size: int | None = None  # ours only; None = our default (loss.chunk_size)
     gradient_checkpointing: bool = False  # ours only
     fold_lora: bool = True  # ours only: decode through LoRA-folded weights (rollout.fold_lora)
     pack_weights: bool = True  # ours only: oneDNN-packed decode weights (rollout.pack_weights)
@@ -50,19 +50,27 @@ class Settings:
     # "bfloat16": the frozen base weights are stored in bf16 on both sides (ours base_dtype,
     # TRL's model loaded in bf16; LoRA weights stay float32 on both)
     base_dtype: str = "float32"
+    # the CLI's allocator setting (selfdistill.allocator.keep_freed_memory: freed blocks stay in
+    # the heap, no fresh pages per tensor): what `selfdistill train` runs with
+    keep_freed_memory: bool = False
 
 
 def _setup(s: Settings) -> None:
     import torch
 
+    from selfdistill.allocator import keep_freed_memory
+
     torch.set_num_threads(s.threads)
+    if s.keep_freed_memory and not keep_freed_memory():
+        raise RuntimeError("keep_freed_memory was asked for but could not be applied (needs "
+                           "glibc, and SELFDISTILL_MALLOC unset)")
 
 
 def our_config(s: Settings) -> Any:
     from selfdistill.train.config import TrainConfig
 
     loss = {"estimator": "topk", "topk": s.topk, "add_tail": True, "alpha": s.alpha,
-            "chunk_size": s.chunk_size}
+            **({"chunk_size": s.chunk_size} if s.chunk_size else {})}  # else: our default
     extra: dict[str, Any] = {"micro_batch_size": s.micro_batch_size} if s.micro_batch_size else {}
     return TrainConfig(model=s.model, method="sdft", train_data=s.train_data, seed=s.seed,
                        steps=s.warmup + s.steps, batch_size=s.batch_size, num_generations=1,

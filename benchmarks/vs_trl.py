@@ -13,6 +13,10 @@ What runs (settings in ``trl_side.py``; the embedded default model, examples/kno
    resident memory (ru_maxrss of the process; also after loading). Ratios: TRL's median step
    time over ours (>1 = we are faster), and our peak RSS over TRL's.
 
+Our side runs with the CLI's allocator setting (``selfdistill.allocator.keep_freed_memory``,
+applied by ``selfdistill train``); TRL's with glibc's defaults unless
+``--trl-keep-freed-memory``; ours_lean (a memory option) with glibc's defaults.
+
 Both sides sample their own completions (different random streams), so the work per step
 differs a little (completion lengths); tokens/s accounts for that.
 
@@ -21,6 +25,7 @@ differs a little (completion lengths); tokens/s accounts for that.
     .venv/bin/python benchmarks/vs_trl.py --micro-batch-size 2 --chunk-size 64   # + ours_lean
     .venv/bin/python benchmarks/vs_trl.py --precision bfloat16   # bf16 autocast, both sides
     .venv/bin/python benchmarks/vs_trl.py --precision bfloat16 --base-dtype bfloat16
+    .venv/bin/python benchmarks/vs_trl.py --trl-keep-freed-memory  # TRL with our allocator too
     .venv/bin/python benchmarks/vs_trl.py --quick            # CI smoke: tiny random model
 Results: benchmarks/results/vs_trl{suffix}.md / .json / .png.
 """
@@ -59,18 +64,23 @@ PHASES = ("generate", "teacher", "student", "optimizer", "other")
 SIDES = ("ours", "trl")  # plus "ours_lean" (micro-batches / chunked loss) when asked for
 
 
-def side_settings(s: Settings, side: str) -> Settings:
-    """Plain "ours" and TRL run without our memory options; "ours_lean" with them. The
-    same-loss check compares the two loss functions in float32 whatever ``--precision`` and
-    ``--base-dtype``."""
+def side_settings(s: Settings, side: str, trl_keeps_freed_memory: bool = False) -> Settings:
+    """Plain "ours" and TRL run without our memory options; "ours_lean" with them. "ours" runs
+    with the CLI's allocator setting (``keep_freed_memory``, as ``selfdistill train`` does),
+    "ours_lean" without it (``SELFDISTILL_MALLOC=system``: freed memory goes back to the
+    system), TRL with it only when ``trl_keeps_freed_memory``. The same-loss check compares
+    the two loss functions in float32 whatever ``--precision`` and ``--base-dtype``."""
     if side == "ours_lean":
-        return s
+        return replace(s, keep_freed_memory=False)
     if side == "check":
         s = replace(s, precision="float32", base_dtype="float32")
-    return replace(s, micro_batch_size=None, chunk_size=None, gradient_checkpointing=False)
+    keep = side == "ours" or (side == "trl" and trl_keeps_freed_memory)
+    return replace(s, micro_batch_size=None, chunk_size=None, gradient_checkpointing=False,
+                   keep_freed_memory=keep)
 
 
-def measure(s: Settings, rounds: int, sides: list[str], env: dict[str, str]) -> dict[str, Any]:
+def measure(s: Settings, rounds: int, sides: list[str], env: dict[str, str],
+            trl_keeps_freed_memory: bool = False) -> dict[str, Any]:
     """Alternating rounds (A B C / C B A / ...), one fresh process per side and round."""
     out: dict[str, Any] = {side: {"steps": [], "rss_peak": 0, "rss_loaded": 0, "errors": []}
                            for side in sides}
@@ -78,7 +88,8 @@ def measure(s: Settings, rounds: int, sides: list[str], env: dict[str, str]) -> 
         for side in sides if i % 2 == 0 else sides[::-1]:
             print(f"round {i + 1}/{rounds}: {side} (load {loadavg()})", file=sys.stderr,
                   flush=True)
-            res = spawn(__file__, {"side": side, **asdict(side_settings(s, side))}, env=env)
+            side_s = side_settings(s, side, trl_keeps_freed_memory)
+            res = spawn(__file__, {"side": side, **asdict(side_s)}, env=env)
             acc = out[side]
             if "error" in res:
                 acc["errors"].append(res["error"])
@@ -105,8 +116,10 @@ def side_stats(acc: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any],
-           errors: dict[str, list[str]], load: tuple[str, str], omp: str) -> str:
+           errors: dict[str, list[str]], load: tuple[str, str], omp: str,
+           trl_keep: bool = False) -> str:
     eq, rg = check.get("equal_lengths", {}), check.get("ragged", {})
+    trl_alloc = "the same setting as ours" if trl_keep else "glibc's defaults"
     settings = (
         f"Model `{Path(s.model).name}`, {s.batch_size} prompts/step x 1 completion, max "
         f"{s.max_new_tokens} new tokens, temperature 1, LoRA r={s.lora_rank} alpha="
@@ -116,7 +129,11 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
         f"base weights {s.base_dtype} on both sides, OpenMP wait policy {omp}. ours: "
         f"{'LoRA-folded' if s.fold_lora else 'PEFT-layer'}, "
         f"{'oneDNN-packed' if s.pack_weights else 'unpacked'} decoding (rollout.fold_lora, "
-        "rollout.pack_weights). "
+        "rollout.pack_weights), Llama decode loop (rollout.decode_loop), loss.chunk_size "
+        "at its default. Allocator: ours with the CLI's keep_freed_memory "
+        "(selfdistill/allocator.py, as `selfdistill train` runs), ours_lean with glibc's "
+        "defaults (SELFDISTILL_MALLOC=system), TRL with "
+        f"{trl_alloc}. "
         "ours_lean (when present): micro_batch_size="
         f"{s.micro_batch_size}, chunk_size={s.chunk_size}, gradient_checkpointing="
         f"{s.gradient_checkpointing}. {rounds} round(s) (A B C, C B A, ...), each side a fresh "
@@ -218,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="both sides: bfloat16 = autocast (ours precision=bfloat16, TRL bf16=True)")
     ap.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="both sides: dtype of the frozen base weights (LoRA stays float32)")
+    ap.add_argument("--trl-keep-freed-memory", action="store_true",
+                    help="TRL's process too runs with our CLI's allocator setting "
+                    "(selfdistill.allocator.keep_freed_memory; ours always does)")
     add_omp_option(ap, "default")
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
@@ -244,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
         acc = {side: {"steps": [], "rss_peak": 0, "rss_loaded": 0, "errors": []}
                for side in sides}
     else:
-        acc = measure(s, args.rounds, sides, omp_env(args.omp_wait_policy))
+        acc = measure(s, args.rounds, sides, omp_env(args.omp_wait_policy),
+                      args.trl_keep_freed_memory)
     stats = {side: side_stats(acc[side]) for side in sides}
     suffix = "_quick" if args.quick else ("_check" if args.check_only else "")
     if lean:
@@ -252,13 +273,14 @@ def main(argv: list[str] | None = None) -> None:
         suffix += "_ckpt" if args.gradient_checkpointing else ""
     suffix += "_nofold" if args.no_fold else ""
     suffix += "_nopack" if args.no_pack else ""
+    suffix += "_trl-keep" if args.trl_keep_freed_memory else ""
     suffix += "_bf16" if args.precision == "bfloat16" else ""
     suffix += "_base-bf16" if args.base_dtype == "bfloat16" else ""
     suffix += "" if args.omp_wait_policy == "default" else f"_omp-{args.omp_wait_policy}"
     if args.sides:
         suffix += "_" + "_".join(args.sides)
     text = render(s, args.rounds, check, stats, {k: v["errors"] for k, v in acc.items()},
-                  (start, loadavg()), args.omp_wait_policy)
+                  (start, loadavg()), args.omp_wait_policy, args.trl_keep_freed_memory)
     publish(args.out_dir, f"vs_trl{suffix}", text,
             {"settings": asdict(s), "check": check, "stats": stats, "raw": acc},
             lambda path: plot(stats, path))

@@ -69,12 +69,13 @@ def test_fold_decoding_quick_compares_every_side(tmp_path):
     _run("fold_decoding.py", tmp_path, "--quick")
     data = json.loads((tmp_path / "fold_decoding_quick.json").read_text())
     assert {side: st["n"] for side, st in data["stats"].items()} == {
-        "peft": 1, "folded": 1, "packed": 1}
-    assert data["same_tokens"] == {"peft": 2, "folded": 2, "packed": 2} == {
+        "peft": 1, "folded": 1, "packed": 1, "hf_generate": 1}
+    assert data["same_tokens"] == {"peft": 2, "folded": 2, "packed": 2, "hf_generate": 2} == {
         side: data["rows"] for side in data["stats"]}
     assert data["weights_unchanged"]
     report = (tmp_path / "fold_decoding_quick.md").read_text()
     assert "x the folded side's generation speed" in report
+    assert "x HF generate's speed on the same packed weights" in report
     assert (tmp_path / "fold_decoding_quick.png").stat().st_size > 0
 
 

@@ -269,20 +269,21 @@ def test_packed_decoding_is_the_same_function_and_leaves_the_model_as_it_was(tok
 
 
 def test_the_rollout_config_reaches_generate(tiny_model, tokenizer, monkeypatch):
-    """`rollout.fold_lora` / `rollout.pack_weights` from a job's config are the flags the
-    in-process sampler decodes with (`make_sampler`, as the trainer builds it)."""
+    """`rollout.fold_lora` / `pack_weights` / `decode_loop` from a job's config are the flags
+    the in-process sampler decodes with (`make_sampler`, as the trainer builds it)."""
     from selfdistill.rollout import base
     from selfdistill.train.config import RolloutConfig
 
     seen = []
     monkeypatch.setattr(base, "generate", lambda *a, **kw: seen.append(
-        (kw["fold_lora"], kw["pack_weights"])) or [])
-    for fold, pack in ((True, False), (False, True)):
-        rollout = RolloutConfig(fold_lora=fold, pack_weights=pack)
+        (kw["fold_lora"], kw["pack_weights"], kw["decode_loop"])) or [])
+    flags = [(True, False, True), (False, True, False), (True, True, False)]
+    for fold, pack, loop in flags:
+        rollout = RolloutConfig(fold_lora=fold, pack_weights=pack, decode_loop=loop)
         sampler = base.make_sampler(rollout, tiny_model, tokenizer, "unused")
         sampler.sync(tiny_model, 0)
         sampler.sample([[1, 42]], n=1, max_new_tokens=2, temperature=1.0, top_p=1.0, seeds=[0])
-    assert seen == [(True, False), (False, True)]
+    assert seen == flags
 
 
 def test_the_static_decode_cache_gives_what_the_dynamic_cache_gives(tiny_model, tokenizer,
@@ -336,3 +337,64 @@ def test_folded_weights_are_stored_in_the_autocast_dtype_with_the_same_result(to
     assert layer.weight.dtype == torch.float32 and head.weight is embed.weight
     assert [g[0].token_ids for g in cast] == [g[0].token_ids for g in plain]
     assert [g[0].logprobs for g in cast] == [g[0].logprobs for g in plain]
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_the_decode_loop_gives_what_generate_gives(tokenizer, monkeypatch, fold):
+    """`llama_decode.decode` (the layers run directly) decodes the tokens and log-probs of HF
+    `generate` on the same static cache: greedy and seeded, through folded LoRA or PEFT's
+    layers, rows of unequal length after a shared system prompt, a row that stops early (its
+    stop token, then nothing) and a batch that ends before `max_new_tokens`."""
+    from selfdistill.chat import prompt_ids
+    from selfdistill.rollout import hf, llama_decode
+
+    model = _tiny_lora(seed=2)
+    system = {"role": "system", "content": "You are a careful assistant. Answer briefly."}
+    prompts = [prompt_ids(tokenizer, [system, {"role": "user", "content": q}])
+               for q in ["Name a prime.", "Why is the sky blue, in one short sentence?",
+                         "Say hi."]]
+    seeds = [sample_seed(3, 0, 0, i) for i in range(3)]
+    calls = {"loop": 0}
+    loop = llama_decode.decode
+
+    def counted(*a, **k):
+        calls["loop"] += 1
+        return loop(*a, **k)
+
+    monkeypatch.setattr(llama_decode, "decode", counted)
+    kw = {"max_new_tokens": 12, "fold_lora": fold}
+    for case in ({"seeds": seeds, "temperature": 0.7}, {"greedy": True}):
+        first = generate(model, tokenizer, prompts, **case, **kw)
+        # the third token row 0 decodes becomes a stop token: that row (and any row that
+        # decodes it) stops there, the others go on
+        stop = first[0][0].token_ids[2]
+        monkeypatch.setattr(hf, "eos_ids", lambda m, t, s=stop: [tokenizer.eos_token_id, s])
+        before = calls["loop"]
+        ours = generate(model, tokenizer, prompts, **case, **kw)
+        assert calls["loop"] == before + 1  # one batch, through the loop
+        ref = generate(model, tokenizer, prompts, decode_loop=False, **case, **kw)
+        assert calls["loop"] == before + 1  # the reference is HF generate
+        monkeypatch.undo()
+        monkeypatch.setattr(llama_decode, "decode", counted)
+        assert ours[0][0].token_ids == first[0][0].token_ids[:3] and ours[0][0].finished
+        assert any(len(g[0].token_ids) == 12 for g in ref)  # and some row ran to the limit
+        for o, r in zip(ours, ref, strict=True):
+            assert o[0].token_ids == r[0].token_ids and o[0].finished == r[0].finished
+            assert o[0].logprobs == pytest.approx(r[0].logprobs, abs=1e-5)
+    # the batch stops when every row is done: one stop token per row, decoded first
+    monkeypatch.setattr(hf, "eos_ids", lambda m, t: sorted(
+        {tokenizer.eos_token_id} | {g[0].token_ids[0] for g in ref}))
+    short = generate(model, tokenizer, prompts, greedy=True, **kw)
+    assert [len(g[0].token_ids) for g in short] == [1, 1, 1]
+
+
+def test_a_generation_config_with_its_own_processors_goes_through_generate():
+    """A repetition penalty (or any processor `generate` would add from the model's generation
+    config) is not something the loop applies: such a model decodes through `generate`."""
+    from selfdistill.rollout import llama_decode
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(seed=0)
+    assert llama_decode.supports(model)
+    model.generation_config.repetition_penalty = 1.3
+    assert not llama_decode.supports(model)

@@ -43,16 +43,15 @@ class Sampler(ABC):
 class HFSampler(Sampler):
     """In-process generation with the learner's current weights (`rollout.hf.generate`)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, fold_lora: bool = True,
-                 pack_weights: bool = True) -> None:
-        self.model, self.tokenizer = model, tokenizer
-        self.fold_lora, self.pack_weights = fold_lora, pack_weights
+    def __init__(self, model: Any, tokenizer: Any, **decoding: bool) -> None:
+        """`decoding`: `generate`'s decoding switches (fold_lora, pack_weights, decode_loop)."""
+        self.model, self.tokenizer, self.decoding = model, tokenizer, decoding
 
     @classmethod
     def from_config(cls, rollout: Any, model: Any, tokenizer: Any) -> HFSampler:
         """The sampler a `rollout` config section (`train.config.RolloutConfig`) asks for."""
         return cls(model, tokenizer, fold_lora=rollout.fold_lora,
-                   pack_weights=rollout.pack_weights)
+                   pack_weights=rollout.pack_weights, decode_loop=rollout.decode_loop)
 
     def sync(self, model: Any, step: int, dist: Any = None) -> None:
         self.model, self.version = model, step
@@ -63,8 +62,7 @@ class HFSampler(Sampler):
             return []
         groups = generate(self.model, self.tokenizer, prompts, n=n, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, batch_size=len(prompts) * n,
-                          seeds=seeds, fold_lora=self.fold_lora,
-                          pack_weights=self.pack_weights)
+                          seeds=seeds, **self.decoding)
         for group in groups:
             for c in group:
                 c.meta["adapter_version"] = self.version

@@ -10,6 +10,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from selfdistill.models import cache_arg
+from selfdistill.rollout import llama_decode
 from selfdistill.rollout.seeding import GumbelSampler
 from selfdistill.rollout.weights import decode_weights
 from selfdistill.teacher.regimes import prefill
@@ -75,6 +76,7 @@ def generate(
     seeds: list[int] | None = None,
     fold_lora: bool = True,
     pack_weights: bool = True,
+    decode_loop: bool = True,
 ) -> list[list[Completion]]:
     """Sample `n` completions for each prompt (token ids, already chat-templated).
 
@@ -86,17 +88,20 @@ def generate(
     completion a pure function of its seed, whatever the batching (`rollout.seeding`).
     `fold_lora` / `pack_weights` decode through LoRA-folded / oneDNN-packed copies of the frozen
     weights (`rollout.weights.decode_weights`): the same function, fewer and faster calls.
+    `decode_loop`: greedy and seeded decoding of a Llama model run `rollout.llama_decode`'s loop
+    instead of HF `generate` (the same function, less per-step overhead).
     """
     with decode_weights(model, fold=fold_lora, pack=pack_weights):
         return _generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, n=n,
                          temperature=temperature, top_p=top_p, greedy=greedy,
-                         batch_size=batch_size, on_batch=on_batch, seeds=seeds)
+                         batch_size=batch_size, on_batch=on_batch, seeds=seeds,
+                         decode_loop=decode_loop)
 
 
 def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_tokens: int,
               n: int, temperature: float, top_p: float, greedy: bool, batch_size: int,
               on_batch: Callable[[int], None] | None,
-              seeds: list[int] | None) -> list[list[Completion]]:
+              seeds: list[int] | None, decode_loop: bool) -> list[list[Completion]]:
     was_training = model.training
     model.eval()
     stop_ids = eos_ids(model, tokenizer)
@@ -116,18 +121,16 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_t
             sampler = GumbelSampler(seeds[start:start + batch_size], temperature=temperature,
                                     top_p=top_p)
             kwargs = {"do_sample": False, "logits_processor": LogitsProcessorList([sampler])}
-        res = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-            pad_token_id=pad_id, eos_token_id=stop_ids, return_dict_in_generate=True,
-            output_logits=sampler is None, disable_compile=True,
-            **cache_arg(decode_cache(model, ids, shared, max_new_tokens)), **kwargs,
-        )
-        new = res.sequences[:, ids.shape[1]:]  # (b, steps)
-        # Log-prob of each sampled token under the raw (unprocessed) logits: kept by the seeded
-        # sampler as it goes; otherwise from HF's per-step logits, one (b, V) step at a time.
-        lp = sampler.token_logprobs(new) if sampler is not None else torch.stack(
-            [torch.log_softmax(step.float(), dim=-1).gather(-1, tok[:, None])[:, 0]
-             for step, tok in zip(res.logits, new.unbind(1), strict=True)], dim=1)
+        cache = decode_cache(model, ids, shared, max_new_tokens)
+        # the loop covers greedy and seeded decoding; HF's own sampler stays with `generate`
+        if (decode_loop and cache is not None and (greedy or sampler is not None)
+                and max_new_tokens > 0 and llama_decode.supports(model)):
+            new, lp = llama_decode.decode(model, ids, mask, cache, shared=shared,
+                                          max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                          pad_id=pad_id, processor=sampler)
+        else:
+            new, lp = _hf_generate(model, ids, mask, cache, max_new_tokens, pad_id, stop_ids,
+                                   sampler, kwargs)
         for row, prompt in enumerate(chunk):
             toks, lps, finished = [], [], False
             for t in range(new.shape[1]):
@@ -143,6 +146,25 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_t
             on_batch(len(chunk))
     model.train(was_training)
     return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+def _hf_generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any,
+                 max_new_tokens: int, pad_id: int, stop_ids: list[int], sampler: Any,
+                 kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF `generate` for what `llama_decode` does not cover: new tokens (b, steps) and their raw
+    log-probs (b, steps)."""
+    res = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id, eos_token_id=stop_ids, return_dict_in_generate=True,
+        output_logits=sampler is None, disable_compile=True, **cache_arg(cache), **kwargs,
+    )
+    new = res.sequences[:, ids.shape[1]:]
+    # Log-prob of each sampled token under the raw (unprocessed) logits: kept by the seeded
+    # sampler as it goes; otherwise from HF's per-step logits, one (b, V) step at a time.
+    lp = sampler.token_logprobs(new) if sampler is not None else torch.stack(
+        [torch.log_softmax(step.float(), dim=-1).gather(-1, tok[:, None])[:, 0]
+         for step, tok in zip(res.logits, new.unbind(1), strict=True)], dim=1)
+    return new, lp
 
 
 def eos_ids(model: Any, tokenizer: Any) -> list[int]:

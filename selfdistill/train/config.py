@@ -67,8 +67,11 @@ class LossConfig(_Section):
                          "1 = reverse KL(student‖teacher), between = generalized JSD")
     topk: int = Field(100, gt=0, description="k for estimator=topk")
     add_tail: bool = Field(True, description="topk: add one bucket with the remaining mass")
-    chunk_size: int | None = Field(None, gt=0, description="rows (tokens) per chunk for the "
-                                   "memory-lean divergence; None = plain autograd")
+    chunk_size: int | None = Field(128, gt=0, description="rows (tokens) per chunk of the "
+                                   "divergence, computed with a closed-form backward that "
+                                   "writes the gradient over the student logits' row copy "
+                                   "(less memory, and about 2x faster than autograd on a CPU); "
+                                   "None = plain autograd")
     distillation_weight: float = Field(1.0, ge=0, le=1, description="sdpo: 1 = pure "
                                        "distillation, 0 = pure GRPO, between = mix")
     anchor_weight: float = Field(1.0, ge=0, description="weight of the anchor rows' token-mean "
@@ -127,6 +130,10 @@ class RolloutConfig(_Section):
                                "up to float rounding; ~1.5x faster decoding measured on an AVX2 "
                                "EPYC; one copy of those weights while generating); false = "
                                "PyTorch's default CPU matmul")
+    decode_loop: bool = Field(True, description="backend=hf, Llama models: greedy and seeded "
+                              "decoding run selfdistill's own decode loop over the model's "
+                              "layers instead of HF generate (the same function up to float "
+                              "rounding; less per-step overhead); false = HF generate")
     url: str | None = Field(None, description="backend=server: the server's base URL, e.g. "
                             "http://127.0.0.1:8000 (the /v1 routes are appended)")
     push_every: int = Field(1, gt=0, description="backend=server: push the adapter every K "
