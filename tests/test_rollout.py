@@ -174,12 +174,29 @@ def test_two_ranks_sample_from_a_real_server_and_push_the_adapter(serve_process,
     assert len(c.logprobs) == len(c.token_ids) and all(v <= 0 for v in c.logprobs)
 
 
-def _tiny_lora(seed: int = 0):
+def _tiny_qwen2(seed: int = 0, **config):
+    """A tiny random Qwen2 causal LM (q/k/v with biases) on the real tokenizer's vocabulary."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2, **config)
+    model = Qwen2ForCausalLM(cfg)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):  # zero at init: random, so the biases count in the test
+            p.data = torch.randn(p.shape) * 0.5
+    return model.eval()
+
+
+def _tiny_lora(seed: int = 0, arch: str = "llama"):
     from peft import LoraConfig, get_peft_model
 
     from tests.conftest import make_tiny_model
 
-    model = get_peft_model(make_tiny_model(seed=seed), LoraConfig(
+    base = make_tiny_model(seed=seed) if arch == "llama" else _tiny_qwen2(seed=seed)
+    model = get_peft_model(base, LoraConfig(
         r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
@@ -339,16 +356,19 @@ def test_folded_weights_are_stored_in_the_autocast_dtype_with_the_same_result(to
     assert [g[0].logprobs for g in cast] == [g[0].logprobs for g in plain]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("fold", [True, False])
-def test_the_decode_loop_gives_what_generate_gives(tokenizer, monkeypatch, fold):
+def test_the_decode_loop_gives_what_generate_gives(tokenizer, monkeypatch, fold, arch):
     """`llama_decode.decode` (the layers run directly) decodes the tokens and log-probs of HF
-    `generate` on the same static cache: greedy and seeded, through folded LoRA or PEFT's
-    layers, rows of unequal length after a shared system prompt, a row that stops early (its
-    stop token, then nothing) and a batch that ends before `max_new_tokens`."""
+    `generate` on the same static cache, for each architecture it runs: greedy and seeded,
+    through folded LoRA or PEFT's layers, rows of unequal length after a shared system prompt,
+    a row that stops early (its stop token, then nothing) and a batch that ends before
+    `max_new_tokens`."""
     from selfdistill.chat import prompt_ids
     from selfdistill.rollout import hf, llama_decode
 
-    model = _tiny_lora(seed=2)
+    model = _tiny_lora(seed=2, arch=arch)
+    assert llama_decode.supports(model)
     system = {"role": "system", "content": "You are a careful assistant. Answer briefly."}
     prompts = [prompt_ids(tokenizer, [system, {"role": "user", "content": q}])
                for q in ["Name a prime.", "Why is the sky blue, in one short sentence?",
@@ -390,7 +410,8 @@ def test_the_decode_loop_gives_what_generate_gives(tokenizer, monkeypatch, fold)
 
 def test_a_generation_config_with_its_own_processors_goes_through_generate():
     """A repetition penalty (or any processor `generate` would add from the model's generation
-    config) is not something the loop applies: such a model decodes through `generate`."""
+    config) is not something the loop applies, nor sliding-window attention: such a model
+    decodes through `generate`."""
     from selfdistill.rollout import llama_decode
     from tests.conftest import make_tiny_model
 
@@ -398,3 +419,6 @@ def test_a_generation_config_with_its_own_processors_goes_through_generate():
     assert llama_decode.supports(model)
     model.generation_config.repetition_penalty = 1.3
     assert not llama_decode.supports(model)
+    # sliding-window attention is not what the loop computes: generate
+    assert not llama_decode.supports(_tiny_qwen2(use_sliding_window=True, sliding_window=8,
+                                                 max_window_layers=0))

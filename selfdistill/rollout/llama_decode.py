@@ -19,13 +19,15 @@ stops when every row has produced a stop token or at `max_new_tokens`. The promp
 prefilled by the model's own forward. Same function as `generate` up to float rounding
 (attention over fewer masked columns sums in another order).
 
-Used when `supports(model)`: a Llama model (`model_type` "llama", SDPA attention) whose
-generation config adds no logits processor of its own (repetition penalty, forced tokens, ...).
-Everything else goes through `generate`.
+Used when `supports(model)`: a Llama-architecture model (`model_type` "llama" or "qwen2" —
+the same layer structure; Qwen2's q/k/v biases live in its linear layers) with SDPA attention,
+no sliding-window layer, and a generation config that adds no logits processor of its own
+(repetition penalty, forced tokens, ...). Everything else goes through `generate`.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -44,6 +46,10 @@ _GENERATE_EXTRAS = ("repetition_penalty", "encoder_repetition_penalty", "no_repe
                     "stop_strings", "watermarking_config")
 
 
+ARCHITECTURES = ("llama", "qwen2")
+"""`model_type`s whose decoder layers the loop runs (tested against `generate` on each)."""
+
+
 def _causal_lm(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -52,7 +58,10 @@ def supports(model: Any) -> bool:
     """Whether `decode` computes what `generate` would for `model` (module docstring)."""
     lm = _causal_lm(model)
     cfg = getattr(lm, "config", None)
-    if getattr(cfg, "model_type", None) != "llama" or cfg._attn_implementation != "sdpa":
+    if getattr(cfg, "model_type", None) not in ARCHITECTURES or cfg._attn_implementation != "sdpa":
+        return False
+    if any(getattr(layer.self_attn, "sliding_window", None) is not None
+           for layer in lm.model.layers):
         return False
     gen, default = getattr(lm, "generation_config", None), GenerationConfig()
     return gen is None or all(getattr(gen, f, None) == getattr(default, f, None)
@@ -80,10 +89,10 @@ def decode(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any, *, sha
     (rows, steps) — pad after a row's stop token — and each token's log-prob under the raw
     (unprocessed, temperature 1) distribution, (rows, steps) float32, in nats.
     """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     lm = _causal_lm(model)
     body = lm.model
+    # the architecture's own rotary application (the same formula in each module)
+    rope = sys.modules[type(body.layers[0].self_attn).__module__].apply_rotary_pos_emb
     rows, width = ids.shape
     # positions as `generate` numbers them: real tokens from 0; padding gets 1 (never attended)
     pos = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)
@@ -123,7 +132,7 @@ def decode(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any, *, sha
             h = norm1(x)
             q, k, v = (proj(h).view(rows, 1, -1, dim).transpose(1, 2)
                        for proj in (q_proj, k_proj, v_proj))
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = rope(q, k, cos, sin)
             k_cache[:, :, col] = k[:, :, 0]
             v_cache[:, :, col] = v[:, :, 0]
             a = F.scaled_dot_product_attention(q, k_cache[:, :, :col + 1], v_cache[:, :, :col + 1],

@@ -130,10 +130,10 @@ class RolloutConfig(_Section):
                                "up to float rounding; ~1.5x faster decoding measured on an AVX2 "
                                "EPYC; one copy of those weights while generating); false = "
                                "PyTorch's default CPU matmul")
-    decode_loop: bool = Field(True, description="backend=hf, Llama models: greedy and seeded "
-                              "decoding run selfdistill's own decode loop over the model's "
-                              "layers instead of HF generate (the same function up to float "
-                              "rounding; less per-step overhead); false = HF generate")
+    decode_loop: bool = Field(True, description="backend=hf, Llama / Qwen2 models: greedy and "
+                              "seeded decoding run selfdistill's own decode loop over the "
+                              "model's layers instead of HF generate (the same function up to "
+                              "float rounding; less per-step overhead); false = HF generate")
     url: str | None = Field(None, description="backend=server: the server's base URL, e.g. "
                             "http://127.0.0.1:8000 (the /v1 routes are appended)")
     push_every: int = Field(1, gt=0, description="backend=server: push the adapter every K "
