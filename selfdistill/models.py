@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from selfdistill import attention
 from selfdistill.errors import UserError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -190,6 +191,7 @@ def load_model(
     finally:
         hf_logging.enable_progress_bar()
     model.eval()
+    attention.use(model)
     if adapter is not None:
         model = load_adapter(model, adapter)
     return LoadedModel(model=model, tokenizer=tok, name=name or "default", path=path)

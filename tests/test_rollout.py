@@ -285,6 +285,35 @@ def test_packed_decoding_is_the_same_function_and_leaves_the_model_as_it_was(tok
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_projections_compute_each_members_output(arch):
+    """`decode_weights(fuse=)` packs each layer's (q, k, v) and (gate, up) as one weight: the
+    fused call is the members' outputs side by side (q/k/v biases included), a member called
+    alone gives its own output, only folded or frozen members are fused (an active adapter
+    must run), and on exit no module keeps a forward override and no parameter moved."""
+    from selfdistill.rollout import llama_decode, weights
+
+    model = _tiny_lora(seed=2, arch=arch)
+    groups = llama_decode.fusable(model)
+    assert len(groups) == 2 * model.config.num_hidden_layers
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    h = torch.randn(3, 2, model.config.hidden_size)
+    with torch.no_grad():
+        with weights.decode_weights(model, pack=False):  # folded, not fused: the reference
+            ref = [[m(h) for m in g] for g in groups]
+        with weights.decode_weights(model, fuse=groups) as dw:
+            assert dw.folded and len(dw.fused) == len(groups)
+            for g, outs in zip(groups, ref, strict=True):
+                whole = dw.fused[tuple(id(m) for m in g)](h)
+                assert torch.allclose(whole, torch.cat(outs, dim=-1), atol=1e-5)
+                for m, out in zip(g, outs, strict=True):  # a member alone: its slice
+                    assert torch.allclose(m.get_base_layer()(h), out, atol=1e-5)
+        with weights.decode_weights(model, fold=False, fuse=groups) as dw:
+            assert not dw.fused  # PEFT's layers run their adapters: nothing to fuse
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
 def test_the_rollout_config_reaches_generate(tiny_model, tokenizer, monkeypatch):
     """`rollout.fold_lora` / `pack_weights` / `decode_loop` from a job's config are the flags
     the in-process sampler decodes with (`make_sampler`, as the trainer builds it)."""
@@ -359,9 +388,10 @@ def test_folded_weights_are_stored_in_the_autocast_dtype_with_the_same_result(to
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("fold", [True, False])
 def test_the_decode_loop_gives_what_generate_gives(tokenizer, monkeypatch, fold, arch):
-    """`llama_decode.decode` (the layers run directly) decodes the tokens and log-probs of HF
-    `generate` on the same static cache, for each architecture it runs: greedy and seeded,
-    through folded LoRA or PEFT's layers, rows of unequal length after a shared system prompt,
+    """`llama_decode.decode` (the layers run directly, its own prefill included) decodes the
+    tokens and log-probs of HF `generate` on the same static cache, for each architecture it
+    runs: greedy and seeded, through folded LoRA with fused projections or PEFT's layers, rows
+    of unequal length (left padding) after a shared system prompt,
     a row that stops early (its stop token, then nothing) and a batch that ends before
     `max_new_tokens`."""
     from selfdistill.chat import prompt_ids
@@ -374,11 +404,12 @@ def test_the_decode_loop_gives_what_generate_gives(tokenizer, monkeypatch, fold,
                for q in ["Name a prime.", "Why is the sky blue, in one short sentence?",
                          "Say hi."]]
     seeds = [sample_seed(3, 0, 0, i) for i in range(3)]
-    calls = {"loop": 0}
+    calls = {"loop": 0, "fused": 0}
     loop = llama_decode.decode
 
     def counted(*a, **k):
         calls["loop"] += 1
+        calls["fused"] = len(k["fused"])
         return loop(*a, **k)
 
     monkeypatch.setattr(llama_decode, "decode", counted)
@@ -392,6 +423,8 @@ def test_the_decode_loop_gives_what_generate_gives(tokenizer, monkeypatch, fold,
         before = calls["loop"]
         ours = generate(model, tokenizer, prompts, **case, **kw)
         assert calls["loop"] == before + 1  # one batch, through the loop
+        # with LoRA folded, through (q, k, v) and (gate, up) fused; PEFT's layers one by one
+        assert calls["fused"] == (2 * model.config.num_hidden_layers if fold else 0)
         ref = generate(model, tokenizer, prompts, decode_loop=False, **case, **kw)
         assert calls["loop"] == before + 1  # the reference is HF generate
         monkeypatch.undo()
@@ -406,6 +439,12 @@ def test_the_decode_loop_gives_what_generate_gives(tokenizer, monkeypatch, fold,
         {tokenizer.eos_token_id} | {g[0].token_ids[0] for g in ref}))
     short = generate(model, tokenizer, prompts, greedy=True, **kw)
     assert [len(g[0].token_ids) for g in short] == [1, 1, 1]
+    monkeypatch.undo()
+    # one row: no shared prefix, the loop's prefill fills (and allocates) the whole cache
+    one, one_ref = (generate(model, tokenizer, prompts[1:2], greedy=True, decode_loop=d, **kw)
+                    for d in (True, False))
+    assert one[0][0].token_ids == one_ref[0][0].token_ids
+    assert one[0][0].logprobs == pytest.approx(one_ref[0][0].logprobs, abs=1e-5)
 
 
 def test_a_generation_config_with_its_own_processors_goes_through_generate():

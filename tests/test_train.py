@@ -468,3 +468,66 @@ def test_precision_auto_uses_bf16_only_where_the_hardware_has_it(monkeypatch):
         model = torch.nn.Linear(2, 2)
         with loop.precision(cfg, model):
             assert torch.is_autocast_enabled("cpu") == (want == "bfloat16")
+
+
+def test_frozen_weights_are_rounded_once_only_where_it_costs_no_memory_asked_to_be_saved():
+    """A step stores the frozen weights in autocast's dtype under bf16, not under float32, not
+    with gradient checkpointing (the memory option) and not under a sharding engine."""
+    import selfdistill.train.loop as loop
+
+    model = torch.nn.Linear(2, 2)
+    one, sharded = SimpleNamespace(sharded=False), SimpleNamespace(sharded=True)
+    for precision, ckpt, dist, want in (("bfloat16", False, one, torch.bfloat16),
+                                        ("float32", False, one, None),
+                                        ("bfloat16", True, one, None),
+                                        ("bfloat16", False, sharded, None)):
+        cfg = SimpleNamespace(precision=precision, gradient_checkpointing=ckpt)
+        assert loop.frozen_weight_dtype(cfg, model, dist) == want
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_frozen_weights_rounded_once_give_autocasts_result(checkpointing):
+    """Under bf16 autocast, a step's teacher and student passes run with the frozen linear
+    weights stored in bf16 (`frozen_weights_in`): autocast would round them to the same values
+    at every forward, so the loss and the LoRA gradients are bit-identical — also when
+    gradient checkpointing recomputes the forward during the backward. Afterwards every module
+    has its float32 Parameter back, and the output head is still tied to the embedding."""
+    from selfdistill.models import attach_lora
+    from selfdistill.rollout.weights import frozen_weights_in
+    from tests.conftest import make_tiny_model
+
+    base = make_tiny_model(seed=0)
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = attach_lora(base, rank=4, alpha=8)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B = 0 at init: make the adapter change the function
+            p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator()
+                        .manual_seed(2))
+    params = {n: p for n, p in model.named_parameters()}
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    assert head.weight is embed.weight
+
+    def loss_and_grads(dtype):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        with frozen_weights_in(model, dtype) as switched:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(input_ids=ids).logits.float()
+            loss = torch.log_softmax(logits, -1)[..., 5].mean()
+            loss.backward()
+        return switched, loss.detach(), {n: p.grad.clone() for n, p in params.items()
+                                         if p.grad is not None}
+
+    n0, loss0, grads0 = loss_and_grads(None)
+    n1, loss1, grads1 = loss_and_grads(torch.bfloat16)
+    frozen = [m for m in model.modules() if type(m) is torch.nn.Linear
+              and not m.weight.requires_grad]
+    assert n0 == 0 and n1 == len(frozen) > 0
+    assert torch.equal(loss0, loss1)
+    assert grads0.keys() == grads1.keys() and grads0
+    assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+    assert all(p is params[n] and p.dtype == torch.float32
+               for n, p in model.named_parameters())
+    assert head.weight is embed.weight

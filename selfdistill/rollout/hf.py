@@ -91,17 +91,22 @@ def generate(
     `decode_loop`: greedy and seeded decoding of a Llama model run `rollout.llama_decode`'s loop
     instead of HF `generate` (the same function, less per-step overhead).
     """
-    with decode_weights(model, fold=fold_lora, pack=pack_weights):
+    # the loop covers greedy and seeded decoding; HF's own sampler stays with `generate`
+    loop = (decode_loop and max_new_tokens > 0 and (greedy or seeds is not None)
+            and llama_decode.supports(model))
+    fuse = llama_decode.fusable(model) if loop else ()
+    with decode_weights(model, fold=fold_lora, pack=pack_weights, fuse=fuse) as prepared:
         return _generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, n=n,
                          temperature=temperature, top_p=top_p, greedy=greedy,
                          batch_size=batch_size, on_batch=on_batch, seeds=seeds,
-                         decode_loop=decode_loop)
+                         loop=loop, fused=prepared.fused)
 
 
 def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_tokens: int,
               n: int, temperature: float, top_p: float, greedy: bool, batch_size: int,
               on_batch: Callable[[int], None] | None,
-              seeds: list[int] | None, decode_loop: bool) -> list[list[Completion]]:
+              seeds: list[int] | None, loop: bool,
+              fused: dict[tuple[int, ...], Any]) -> list[list[Completion]]:
     was_training = model.training
     model.eval()
     stop_ids = eos_ids(model, tokenizer)
@@ -122,12 +127,10 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_t
                                     top_p=top_p)
             kwargs = {"do_sample": False, "logits_processor": LogitsProcessorList([sampler])}
         cache = decode_cache(model, ids, shared, max_new_tokens)
-        # the loop covers greedy and seeded decoding; HF's own sampler stays with `generate`
-        if (decode_loop and cache is not None and (greedy or sampler is not None)
-                and max_new_tokens > 0 and llama_decode.supports(model)):
+        if loop and cache is not None:
             new, lp = llama_decode.decode(model, ids, mask, cache, shared=shared,
                                           max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                          pad_id=pad_id, processor=sampler)
+                                          pad_id=pad_id, processor=sampler, fused=fused)
         else:
             new, lp = _hf_generate(model, ids, mask, cache, max_new_tokens, pad_id, stop_ids,
                                    sampler, kwargs)
