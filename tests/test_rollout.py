@@ -4,6 +4,7 @@ correction from the sampler's log-probs, and training against a real `selfdistil
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -310,6 +311,18 @@ def test_fused_projections_compute_each_members_output(arch):
                     assert torch.allclose(m.get_base_layer()(h), out, atol=1e-5)
         with weights.decode_weights(model, fold=False, fuse=groups) as dw:
             assert not dw.fused  # PEFT's layers run their adapters: nothing to fuse
+        # a member with a forward of its own (accelerate's hooks): its group is not fused, it
+        # keeps that forward (with the folded weight swapped in), its siblings are packed
+        hooked = groups[0][1].get_base_layer()
+        hook = functools.partial(torch.nn.Linear.forward, hooked)
+        hooked.forward = hook
+        with weights.decode_weights(model, fuse=groups) as dw:
+            assert len(dw.fused) == len(groups) - 1 and hooked.forward is hook
+            assert all("forward" in vars(m.get_base_layer()) for m in groups[0])
+            for m, out in zip(groups[0], ref[0], strict=True):
+                assert torch.allclose(m.get_base_layer()(h), out, atol=1e-5)
+        assert hooked.forward is hook
+        del hooked.forward
     assert not any("forward" in vars(m) for m in model.modules())
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 

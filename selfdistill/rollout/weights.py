@@ -77,7 +77,7 @@ def decode_weights(model: Any, *, fold: bool = True, pack: bool = True,
     groups = [(g, [_base(m, adapted) for m in g]) for g in fuse] if pack else []
     groups = [(g, bases) for g, bases in groups
               if all(b is not None and id(b) in prepared for b in bases)]
-    grouped = {id(b) for _, bases in groups for b in bases}
+    group_of = {id(b): i for i, (_, bases) in enumerate(groups) for b in bases}
     undo: list[Any] = []
     packed, weights, fused = 0, {}, {}
     try:
@@ -91,27 +91,16 @@ def decode_weights(model: Any, *, fold: bool = True, pack: bool = True,
                     weight = weight + delta.to(weight.dtype)
                 if cast is not None and weight.dtype != cast:
                     weight = weight.to(cast)
-                if id(module) in grouped:
+                if id(module) in group_of:
+                    # a group is packed as soon as its last member is ready, so at most one
+                    # group's unpacked copies are alive at a time
+                    group, bases = groups[group_of[id(module)]]
                     weights[id(module)] = weight
-                # a module whose forward is already an instance attribute (accelerate's
-                # device-map hooks) keeps it: its undo would remove theirs
-                elif pack and packable(weight) and "forward" not in vars(module):
-                    undo.append(_install_packed(module, weight))
-                    packed += 1
-                elif weight is not module.weight.data:
-                    undo.append(_swap_weight(module, weight, param_shared=layer is None))
-            for group, bases in groups:
-                if not _fusable(bases, [weights[id(b)] for b in bases]):
-                    for b in bases:  # as any other layer
-                        undo.append(_install_packed(b, weights[id(b)]) if packable(
-                            weights[id(b)]) else _swap_weight(b, weights[id(b)],
-                                                              param_shared=False))
-                    continue
-                fused[tuple(id(m) for m in group)], more = _install_fused(
-                    bases, [weights.pop(id(b)) for b in bases])
-                undo += more
-                packed += len(bases)
-            weights.clear()
+                    if all(id(b) in weights for b in bases):
+                        packed += _prepare_group(group, [(b, weights.pop(id(b))) for b in bases],
+                                                 undo, fused, adapted)
+                else:
+                    packed += _prepare(module, weight, pack, undo, shared=layer is None)
         with (teacher_mode(model) if layers else torch.no_grad(),
               model.disable_adapter() if layers else contextlib.nullcontext()):
             yield DecodeWeights(folded=bool(layers), packed=packed, fused=fused)
@@ -149,27 +138,52 @@ def _base(module: Any, adapted: dict[int, Any]) -> torch.nn.Linear | None:
     return base if base is not None and adapted.get(id(base)) is module else None
 
 
-def _fusable(bases: list[torch.nn.Linear], weights: list[torch.Tensor]) -> bool:
-    return (len({w.dtype for w in weights}) == 1 and packable(weights[0])
-            and len({b.bias is None for b in bases}) == 1
-            and all("forward" not in vars(b) for b in bases))
+def _prepare(module: torch.nn.Linear, weight: torch.Tensor, pack: bool, undo: list[Any], *,
+             shared: bool) -> int:
+    """Make `module` run with its prepared `weight`: packed when it can be, else swapped in
+    (nothing when it is the module's own). Appends the undo; returns 1 when packed, else 0.
+    `shared`: the module's Parameter may be shared with another module (`_swap_weight`)."""
+    # a module whose forward is already an instance attribute (accelerate's device-map hooks)
+    # keeps it: its undo would remove theirs
+    if pack and packable(weight) and "forward" not in vars(module):
+        undo.append(_install_packed(module, weight))
+        return 1
+    if weight is not module.weight.data:
+        undo.append(_swap_weight(module, weight, param_shared=shared))
+    return 0
 
 
-def _install_fused(bases: list[torch.nn.Linear], weights: list[torch.Tensor],
-                   ) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[Any]]:
-    """Pack [W₁; W₂; …] once; returns the fused call and the members' undos (each member,
-    called alone, slices its rows of the fused output)."""
-    weight = torch.cat(weights)
-    bias = None if bases[0].bias is None else torch.cat(
-        [b.bias.detach() for b in bases]).to(weight.dtype)
+def _prepare_group(group: tuple[Any, ...], members: list[tuple[torch.nn.Linear, torch.Tensor]],
+                   undo: list[Any], fused: dict[tuple[int, ...], Any],
+                   adapted: dict[int, Any]) -> int:
+    """Fuse a group's (base layer, prepared weight) `members` into one packed weight
+    (`fused[ids of group]` = the call) when they can share one, else prepare each as any other
+    layer. Appends the undos; returns how many members run on packed weights."""
+    if (len({w.dtype for _, w in members}) == 1 and packable(members[0][1])
+            and len({b.bias is None for b, _ in members}) == 1
+            and all("forward" not in vars(b) for b, _ in members)):
+        fused[tuple(id(m) for m in group)] = _install_fused(members, undo)
+        return len(members)
+    return sum(_prepare(b, w, True, undo, shared=id(b) not in adapted) for b, w in members)
+
+
+def _install_fused(members: list[tuple[torch.nn.Linear, torch.Tensor]], undo: list[Any],
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Pack [W₁; W₂; …] of the (module, prepared weight) `members` once; returns the fused call
+    and appends the members' undos (each member, called alone, slices its rows of the fused
+    output)."""
+    weight = torch.cat([w for _, w in members])
+    first = members[0][0]
+    bias = None if first.bias is None else torch.cat(
+        [b.bias.detach() for b, _ in members]).to(weight.dtype)
     call = functools.partial(_packed_linear, packed=torch.ops.mkldnn._reorder_linear_weight(
         weight, 8), bias=bias, dtype=weight.dtype)
-    undo, start = [], 0
-    for base, w in zip(bases, weights, strict=True):
+    start = 0
+    for base, w in members:
         base.forward = functools.partial(_slice_of, call=call, start=start, stop=start + len(w))
         undo.append(functools.partial(delattr, base, "forward"))
         start += len(w)
-    return call, undo
+    return call
 
 
 def _slice_of(x: torch.Tensor, *, call: Any, start: int, stop: int) -> torch.Tensor:
