@@ -56,10 +56,14 @@ class Settings:
 
 
 def _setup(s: Settings) -> None:
+    """Every side's process: oneDNN's kernel caches bounded as the CLI bounds them (a process
+    setting, not trainer code: TRL's side gets it too), the thread count, and the CLI's
+    allocator setting where `keep_freed_memory`."""
     import torch
 
-    from selfdistill.allocator import keep_freed_memory
+    from selfdistill.allocator import bound_kernel_caches, keep_freed_memory
 
+    bound_kernel_caches()  # before any kernel runs
     torch.set_num_threads(s.threads)
     if s.keep_freed_memory and not keep_freed_memory():
         raise RuntimeError("keep_freed_memory was asked for but could not be applied (needs "

@@ -15,7 +15,9 @@ What runs (settings in ``trl_side.py``; the embedded default model, examples/kno
 
 Our side runs with the CLI's allocator setting (``selfdistill.allocator.keep_freed_memory``,
 applied by ``selfdistill train``); TRL's with glibc's defaults unless
-``--trl-keep-freed-memory``; ours_lean (a memory option) with glibc's defaults.
+``--trl-keep-freed-memory``; ours_lean (a memory option) with glibc's defaults. Every side's
+process bounds oneDNN's kernel caches as the CLI does (``bound_kernel_caches``: a process
+setting, so TRL gets it too).
 
 Both sides sample their own completions (different random streams), so the work per step
 differs a little (completion lengths); tokens/s accounts for that.
@@ -117,7 +119,7 @@ def side_stats(acc: dict[str, Any]) -> dict[str, Any]:
 
 def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any],
            errors: dict[str, list[str]], load: tuple[str, str], omp: str,
-           trl_keep: bool = False) -> str:
+           trl_keep: bool = False, kernel_caches: int | None = None) -> str:
     eq, rg = check.get("equal_lengths", {}), check.get("ragged", {})
     trl_alloc = "the same setting as ours" if trl_keep else "glibc's defaults"
     settings = (
@@ -136,8 +138,10 @@ def render(s: Settings, rounds: int, check: dict[str, Any], stats: dict[str, Any
         "at its default. Allocator: ours with the CLI's keep_freed_memory "
         "(selfdistill/allocator.py, as `selfdistill train` runs), ours_lean with glibc's "
         "defaults (SELFDISTILL_MALLOC=system), TRL with "
-        f"{trl_alloc}. "
-        "ours_lean (when present): micro_batch_size="
+        f"{trl_alloc}. Every side's process bounds oneDNN's kernel caches "
+        + ("as the CLI does (selfdistill.allocator.bound_kernel_caches). " if kernel_caches is None
+           else f"at {kernel_caches} entries each (--kernel-cache-capacity). ")
+        + "ours_lean (when present): micro_batch_size="
         f"{s.micro_batch_size}, chunk_size={s.chunk_size}, gradient_checkpointing="
         f"{s.gradient_checkpointing}. {rounds} round(s) (A B C, C B A, ...), each side a fresh "
         "process: "
@@ -238,6 +242,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="both sides: bfloat16 = autocast (ours precision=bfloat16, TRL bf16=True)")
     ap.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="both sides: dtype of the frozen base weights (LoRA stays float32)")
+    ap.add_argument("--kernel-cache-capacity", type=int,
+                    help="every side: oneDNN's kernel cache capacities (default: the CLI's bound, "
+                         "selfdistill.allocator.bound_kernel_caches; oneDNN's own default is 1024)")
     ap.add_argument("--trl-keep-freed-memory", action="store_true",
                     help="TRL's process too runs with our CLI's allocator setting "
                     "(selfdistill.allocator.keep_freed_memory; ours always does)")
@@ -267,7 +274,10 @@ def main(argv: list[str] | None = None) -> None:
         acc = {side: {"steps": [], "rss_peak": 0, "rss_loaded": 0, "errors": []}
                for side in sides}
     else:
-        acc = measure(s, args.rounds, sides, omp_env(args.omp_wait_policy),
+        caches = {} if args.kernel_cache_capacity is None else {
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(args.kernel_cache_capacity),
+            "LRU_CACHE_CAPACITY": str(args.kernel_cache_capacity)}
+        acc = measure(s, args.rounds, sides, {**omp_env(args.omp_wait_policy), **caches},
                       args.trl_keep_freed_memory)
     stats = {side: side_stats(acc[side]) for side in sides}
     suffix = "_quick" if args.quick else ("_check" if args.check_only else "")
@@ -277,13 +287,15 @@ def main(argv: list[str] | None = None) -> None:
     suffix += "_nofold" if args.no_fold else ""
     suffix += "_nopack" if args.no_pack else ""
     suffix += "_trl-keep" if args.trl_keep_freed_memory else ""
+    suffix += "" if args.kernel_cache_capacity is None else f"_kcache{args.kernel_cache_capacity}"
     suffix += "_bf16" if args.precision == "bfloat16" else ""
     suffix += "_base-bf16" if args.base_dtype == "bfloat16" else ""
     suffix += "" if args.omp_wait_policy == "default" else f"_omp-{args.omp_wait_policy}"
     if args.sides:
         suffix += "_" + "_".join(args.sides)
     text = render(s, args.rounds, check, stats, {k: v["errors"] for k, v in acc.items()},
-                  (start, loadavg()), args.omp_wait_policy, args.trl_keep_freed_memory)
+                  (start, loadavg()), args.omp_wait_policy, args.trl_keep_freed_memory,
+                  args.kernel_cache_capacity)
     publish(args.out_dir, f"vs_trl{suffix}", text,
             {"settings": asdict(s), "check": check, "stats": stats, "raw": acc},
             lambda path: plot(stats, path))

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from selfdistill.allocator import keep_freed_memory
+from selfdistill.allocator import bound_kernel_caches, keep_freed_memory
 from selfdistill.errors import UserError
 
 # Sub-commands that live beside their feature: module path → it defines add_subcommand(subparsers).
@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     keep_freed_memory()  # large tensors reuse heap pages instead of fresh mmaps (allocator.py)
+    bound_kernel_caches()  # oneDNN's per-shape kernels: a bounded cache, not one per shape seen
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "quiet", False):

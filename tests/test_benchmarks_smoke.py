@@ -36,8 +36,8 @@ def test_loss_kernels_quick_runs_and_reports(tmp_path):
 
 @pytest.mark.slow
 def test_vs_trl_quick_checks_the_loss_and_times_both_sides(tmp_path):
-    _run("vs_trl.py", tmp_path, "--quick")
-    data = json.loads((tmp_path / "vs_trl_quick.json").read_text())
+    _run("vs_trl.py", tmp_path, "--quick", "--kernel-cache-capacity", "32")
+    data = json.loads((tmp_path / "vs_trl_quick_kcache32.json").read_text())
     eq = data["check"]["equal_lengths"]
     # the same function: same loss and gradients on the same batch. Tolerance: TRL's tail
     # bucket log(1 - sum top-k) loses relative precision when the top-k holds nearly all the
@@ -48,9 +48,10 @@ def test_vs_trl_quick_checks_the_loss_and_times_both_sides(tmp_path):
         stats = data["stats"][side]
         assert stats["step"]["n"] == 1 and stats["step"]["median"] > 0
         assert stats["rss_peak_mib"] > stats["rss_loaded_mib"] > 0
-    report = (tmp_path / "vs_trl_quick.md").read_text()
+    report = (tmp_path / "vs_trl_quick_kcache32.md").read_text()
     assert "Same loss on the same batch" in report and "peak RSS" in report
-    assert (tmp_path / "vs_trl_quick.png").stat().st_size > 0
+    assert "kernel caches at 32 entries each" in report
+    assert (tmp_path / "vs_trl_quick_kcache32.png").stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from selfdistill.cli import main
 
@@ -76,6 +77,64 @@ def test_generate_with_default_model(default_dir):
                   "--model", default_dir, "--max-new-tokens", "8", "--quiet")
     assert res.returncode == 0, res.stderr
     assert "paris" in res.stdout.lower()
+
+
+# 300 input shapes through one oneDNN-packed linear layer (the kernel a CPU decode runs); prints
+# the growth of the resident set in bytes. argv[1] = "bounded": bound_kernel_caches(8) first.
+_KERNEL_SHAPES = """
+import os, sys, torch
+from selfdistill.allocator import bound_kernel_caches
+if sys.argv[1] == "bounded":
+    bound_kernel_caches(8)  # after importing torch, before any kernel ran: as the CLI does
+torch.set_num_threads(1)
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(256, 128), 8)
+run = lambda m: torch.ops.mkldnn._linear_pointwise(torch.randn(m, 128), packed, None, "none",
+                                                   [], "")
+run(1)
+before = rss()
+for m in range(2, 302):
+    run(m)
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or not torch.backends.mkldnn.is_available(),
+                    reason="reads /proc; needs a PyTorch with oneDNN")
+def test_bounded_kernel_caches_keep_memory_flat_over_new_shapes():
+    """oneDNN keeps a compiled kernel per input shape; with `bound_kernel_caches` (called by the
+    CLI) 300 new shapes leave the resident set nearly where it was, without it they grow it."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith("CACHE_CAPACITY")}
+
+    def growth(mode: str) -> int:
+        res = subprocess.run([sys.executable, "-c", _KERNEL_SHAPES, mode], env=env,
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        return int(res.stdout.split()[-1])
+
+    bounded, default = growth("bounded"), growth("default")
+    assert bounded < 24 * 2**20, bounded
+    assert default > 4 * max(bounded, 2**20), (bounded, default)  # the control: it does grow
+
+
+def test_kernel_cache_bound_keeps_a_capacity_the_environment_sets(monkeypatch):
+    """`bound_kernel_caches` fills in only the capacities the environment leaves unset (oneDNN's
+    older DNNL_ name counts), and `selfdistill` calls it before anything else runs."""
+    from selfdistill import allocator, cli
+
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY",
+                 "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DNNL_PRIMITIVE_CACHE_CAPACITY", "300")
+    assert allocator.bound_kernel_caches(16) == {"DNNL_PRIMITIVE_CACHE_CAPACITY": "300",
+                                                 "LRU_CACHE_CAPACITY": "16"}
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ
+    calls = []
+    monkeypatch.setattr(cli, "bound_kernel_caches", lambda: calls.append(1))
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert calls == [1]
 
 
 def test_allocator_setting_applies_in_a_fresh_process_and_can_be_turned_off():
