@@ -85,7 +85,8 @@ def test_knowledge_table_quick_runs_every_arm(tmp_path):
     _run("knowledge_table.py", tmp_path, "--quick")
     table = (tmp_path / "knowledge_table_quick.md").read_text()
     for arm in ("| Base |", "| Oracle (fact in prompt) |", "| CPT |", "| SFT |",
-                "| SDFT (base teacher) |", "| SDFT (EMA teacher) |"):
+                "| SDFT (base teacher) |", "| SDFT (EMA teacher) |",
+                "| SDFT (base teacher, temperature 0.5) |"):
         assert arm in table
     assert (tmp_path / "knowledge_table_quick.png").stat().st_size > 0
     # a later seed is merged into the earlier table; the same seed again is refused up front
