@@ -119,12 +119,13 @@ def decode(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any, *, sha
     rows, width = ids.shape
     # positions as `generate` numbers them: real tokens from 0; padding gets 1 (never attended)
     pos = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)
-    layers = [(layer.input_layernorm, _projections(attn_group, fused or {}), _linear(
+    groups, fused = fusable(model), fused or {}  # groups: (q, k, v), (gate, up) per layer
+    layers = [(layer.input_layernorm, _projections(attn_group, fused), _linear(
         layer.self_attn.o_proj), layer.post_attention_layernorm,
-        _projections(mlp_group, fused or {}), _linear(layer.mlp.down_proj), layer.mlp.act_fn,
+        _projections(mlp_group, fused), _linear(layer.mlp.down_proj), layer.mlp.act_fn,
         layer.self_attn.head_dim, layer.self_attn.scaling, cache_layer)
         for layer, attn_group, mlp_group, cache_layer in zip(
-            body.layers, *(fusable(model)[i::2] for i in (0, 1)), cache.layers, strict=True)]
+            body.layers, groups[0::2], groups[1::2], cache.layers, strict=True)]
     attend = torch.zeros(rows, cache.layers[0].max_cache_len, dtype=torch.bool, device=ids.device)
     attend[:, :width] = mask.bool()
 
